@@ -1,0 +1,147 @@
+"""``vllm-dspark``: checkpoint inspection and deployment tools.
+
+Exit status: 0 when everything checked is valid, 1 when a problem was found,
+2 for usage errors (argparse's convention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+def inspect_checkpoint(path: str, *, scan_values: bool = True, target: str | None = None) -> dict:
+    """The facts ``vllm-dspark inspect`` prints, as a JSON-ready dict."""
+    from vllm_dspark.checkpoint.io import validate_checkpoint
+    from vllm_dspark.model.reference import count_parameters
+
+    report = validate_checkpoint(path, scan_values=scan_values)
+    cfg = report.config
+    out: dict = {"path": str(Path(path)), "valid": report.ok, "problems": list(report.problems)}
+    if cfg is None:
+        out.update(parameters=None, kv_cache_bytes_per_token=None)
+        return out
+    out.update(
+        parameters=count_parameters(cfg),
+        kv_cache_bytes_per_token=cfg.kv_cache_bytes_per_token(),
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        vocab_size=cfg.vocab_size,
+        block_size=cfg.block_size,
+        query_layout=cfg.query_layout,
+        draft_tokens_per_step=cfg.num_draft_tokens,
+        verified_tokens_per_step=cfg.num_draft_tokens + 1,
+        target_layer_ids=list(cfg.target_layer_ids),
+        vllm_aux_layer_ids=list(cfg.vllm_aux_layer_ids),
+        num_target_layers=cfg.num_target_layers,
+        mask_token_id=cfg.mask_token_id,
+        markov_rank=cfg.markov_rank,
+        markov_head_type=cfg.markov_head_type if cfg.has_markov_head else None,
+        confidence_head=cfg.enable_confidence_head,
+        confidence_head_with_markov=cfg.confidence_head_with_markov,
+        rope=cfg.rope_type,
+        rope_theta=cfg.rope_theta,
+        rope_scaling=cfg.rope_scaling,
+        max_position_embeddings=cfg.max_position_embeddings,
+        dtype=cfg.dtype,
+        weights_file_bytes=report.file_bytes or None,
+        tensors=len(report.tensors) or None,
+    )
+    if target is not None:
+        from vllm_dspark.deploy.compat import check_target_compat
+
+        compat = check_target_compat(cfg, target)
+        out["target"] = compat.to_dict()
+        out["problems"].extend(compat.problems)
+        out["valid"] = not out["problems"]
+    return out
+
+
+def _print_inspect(info: dict) -> None:
+    print(f"DSpark drafter: {info['path']}")
+    if info.get("parameters") is not None:
+        lay = "anchor-first" if info["query_layout"] == "anchor_first" else "1 + N (older DFlash)"
+        print(f"  backbone        {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, "
+              f"{info['num_attention_heads']} heads / {info['num_key_value_heads']} KV heads x {info['head_dim']}, "
+              f"MLP {info['intermediate_size']}")
+        print(f"  block           {info['block_size']} queries, {lay}: {info['draft_tokens_per_step']} drafts, "
+              f"{info['verified_tokens_per_step']} verified tokens per step")
+        print(f"  target layers   {info['target_layer_ids']} of {info['num_target_layers']} "
+              f"(vLLM aux indices {info['vllm_aux_layer_ids']})")
+        print(f"  vocab           {info['vocab_size']} (mask token {info['mask_token_id']})")
+        markov = f"rank {info['markov_rank']} ({info['markov_head_type']})" if info["markov_rank"] else "none"
+        print(f"  Markov head     {markov}")
+        conf = ("yes, with Markov input" if info["confidence_head_with_markov"] else "yes") \
+            if info["confidence_head"] else "no"
+        print(f"  confidence head {conf}")
+        print(f"  RoPE            {info['rope']} (theta {info['rope_theta']:g}), trained context "
+              f"{info['max_position_embeddings']}")
+        print(f"  parameters      {info['parameters']:,}")
+        print(f"  draft KV cache  {info['kv_cache_bytes_per_token']:,} bytes per token ({info['dtype']})")
+        if info.get("weights_file_bytes"):
+            print(f"  weights file    {_human_bytes(info['weights_file_bytes'])}, {info['tensors']} tensors")
+        if "target" in info:
+            t = info["target"]
+            print(f"  target          {t.get('summary', '')}")
+    if info["problems"]:
+        print(f"PROBLEMS ({len(info['problems'])}):")
+        for p in info["problems"]:
+            print(f"  - {p}")
+    else:
+        print("OK: no problems found")
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    if not Path(args.path).exists():
+        print(f"vllm-dspark inspect: {args.path}: no such file or directory "
+              "(pass a checkpoint directory or its config.json)", file=sys.stderr)
+        return 2
+    info = inspect_checkpoint(args.path, scan_values=not args.no_scan, target=args.target)
+    if args.json:
+        print(json.dumps(info, indent=2, default=str))
+    else:
+        _print_inspect(info)
+    return 0 if not info["problems"] else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-dspark", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="summarise and validate a DSpark checkpoint or config.json")
+    p.add_argument("path", help="checkpoint directory or a bare config.json")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--no-scan", action="store_true", help="skip the NaN/Inf scan of the tensor values")
+    p.add_argument("--target", default=None,
+                   help="the target's config.json (or model directory): check the drafter fits it")
+    p.set_defaults(func=_cmd_inspect)
+    try:
+        from vllm_dspark.deploy.plan import add_plan_parser
+    except ImportError:
+        pass
+    else:
+        add_plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Rotary position embeddings for the reference drafter (plain, linear, YaRN).
+
+NeoX layout (rotate halves), as Qwen3 and vLLM's ``get_rope(is_neox_style=True)``
+use. YaRN follows the paper's definition (arXiv 2309.00071): per-dimension
+blend of interpolated and extrapolated frequencies over a linear ramp between
+the beta_fast / beta_slow correction dimensions, and cos/sin scaled by
+``0.1 * ln(factor) + 1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
+    return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+
+def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] (fp32) and the cos/sin magnitude scale."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+    inv_freq = 1.0 / (theta ** exponents)
+    rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
+    if rtype in (None, "default"):
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rtype == "linear":
+        return inv_freq / factor, 1.0
+    if rtype != "yarn":
+        raise ValueError(f"rope_type {rtype!r} is not supported by the reference drafter")
+    orig = int(scaling.get("original_max_position_embeddings", 4096))
+    beta_fast = float(scaling.get("beta_fast", 32))
+    beta_slow = float(scaling.get("beta_slow", 1))
+    low = math.floor(_yarn_correction_dim(beta_fast, head_dim, theta, orig))
+    high = math.ceil(_yarn_correction_dim(beta_slow, head_dim, theta, orig))
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation_weight = 1.0 - ramp  # 1 keeps the original (high) frequency
+    inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
+    mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+    return inv_freq, mscale
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float) -> torch.Tensor:
+    """Rotate ``x`` [..., T, heads, head_dim] at ``positions`` [..., T] (NeoX halves)."""
+    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(x.device)  # [..., T, hd/2]
+    cos = (angles.cos() * mscale).unsqueeze(-2)  # [..., T, 1, hd/2]
+    sin = (angles.sin() * mscale).unsqueeze(-2)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.to(x.dtype)
