@@ -1,0 +1,86 @@
+// Argument validation shared by the CPU and the CUDA torch glue of
+// vllm_dspark::markov_draft (torch headers: never included by a .cu file).
+#pragma once
+
+#include <optional>
+
+#include <ATen/ATen.h>
+
+namespace dspark {
+
+struct MarkovShapes {
+  int64_t num_reqs;  // R
+  int64_t block;     // B
+  int64_t vocab;     // V
+  int64_t rank;      // r
+};
+
+inline MarkovShapes check_markov_args(
+    const at::Tensor& base_logits, const at::Tensor& anchor_ids,
+    const at::Tensor& markov_w1, const at::Tensor& markov_w2,
+    const at::Tensor& w2_row_norms, const std::optional<at::Tensor>& conf_base,
+    const std::optional<at::Tensor>& conf_w_markov, const at::Tensor& temperature,
+    const at::Tensor& seeds, const at::Tensor& out_tokens, const at::Tensor& out_conf,
+    const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
+    const std::optional<at::Tensor>& out_stats) {
+  TORCH_CHECK(base_logits.dim() == 3, "markov_draft: base_logits must be [R, B, V], got ",
+              base_logits.sizes());
+  const int64_t R = base_logits.size(0), B = base_logits.size(1), V = base_logits.size(2);
+  TORCH_CHECK(markov_w1.dim() == 2 && markov_w2.dim() == 2 &&
+                  markov_w1.sizes() == markov_w2.sizes(),
+              "markov_draft: markov_w1 and markov_w2 must both be [V, rank], got ",
+              markov_w1.sizes(), " and ", markov_w2.sizes());
+  TORCH_CHECK(markov_w2.size(0) == V, "markov_draft: markov_w2 has ", markov_w2.size(0),
+              " rows but base_logits has vocab ", V);
+  TORCH_CHECK(V < (int64_t(1) << 31), "markov_draft: vocab must be < 2^31");
+  const int64_t rank = markov_w2.size(1);
+  TORCH_CHECK(rank >= 1, "markov_draft: rank must be >= 1");
+  TORCH_CHECK(markov_w1.scalar_type() == markov_w2.scalar_type(),
+              "markov_draft: markov_w1 and markov_w2 must share a dtype");
+  auto float_like = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  };
+  TORCH_CHECK(float_like(base_logits.scalar_type()) && float_like(markov_w2.scalar_type()),
+              "markov_draft: base_logits and Markov weights must be fp32, bf16 or fp16");
+  auto check_1d = [&](const at::Tensor& t, int64_t n, at::ScalarType dt, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.size(0) == n && t.scalar_type() == dt,
+                "markov_draft: ", name, " must be [", n, "] of ", dt, ", got ", t.sizes(),
+                " of ", t.scalar_type());
+  };
+  auto check_2d = [&](const at::Tensor& t, int64_t n, int64_t m, at::ScalarType dt,
+                      const char* name) {
+    TORCH_CHECK(t.dim() == 2 && t.size(0) == n && t.size(1) == m && t.scalar_type() == dt,
+                "markov_draft: ", name, " must be [", n, ", ", m, "] of ", dt, ", got ",
+                t.sizes(), " of ", t.scalar_type());
+  };
+  check_1d(anchor_ids, R, at::kLong, "anchor_ids");
+  check_1d(w2_row_norms, V, at::kFloat, "w2_row_norms");
+  check_1d(temperature, R, at::kFloat, "temperature");
+  check_1d(seeds, R, at::kLong, "seeds");
+  if (conf_base.has_value()) check_2d(*conf_base, R, B, at::kFloat, "conf_base");
+  if (conf_w_markov.has_value()) check_1d(*conf_w_markov, rank, at::kFloat, "conf_w_markov");
+  check_2d(out_tokens, R, B, at::kLong, "out_tokens");
+  check_2d(out_conf, R, B, at::kFloat, "out_conf");
+  check_1d(out_lengths, R, at::kInt, "out_lengths");
+  if (out_stats.has_value()) check_2d(*out_stats, R, B, at::kInt, "out_stats");
+  if (out_logits.has_value()) {
+    const auto& l = *out_logits;
+    TORCH_CHECK(l.dim() == 3 && l.size(0) == R && l.size(1) == B && l.size(2) == V &&
+                    l.scalar_type() == at::kFloat,
+                "markov_draft: out_logits must be [R, B, V] fp32, got ", l.sizes(), " of ",
+                l.scalar_type());
+  }
+  for (const at::Tensor* t : {&out_tokens, &out_conf, &out_lengths}) {
+    TORCH_CHECK(t->is_contiguous(), "markov_draft: outputs must be contiguous");
+  }
+  if (out_logits.has_value()) TORCH_CHECK(out_logits->is_contiguous(), "markov_draft: out_logits must be contiguous");
+  if (out_stats.has_value()) TORCH_CHECK(out_stats->is_contiguous(), "markov_draft: out_stats must be contiguous");
+  const auto dev = base_logits.device();
+  for (const at::Tensor* t : {&anchor_ids, &markov_w1, &markov_w2, &w2_row_norms, &temperature,
+                              &seeds, &out_tokens, &out_conf, &out_lengths}) {
+    TORCH_CHECK(t->device() == dev, "markov_draft: all tensors must be on ", dev);
+  }
+  return {R, B, V, rank};
+}
+
+}  // namespace dspark

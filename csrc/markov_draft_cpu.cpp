@@ -1,0 +1,408 @@
+// CPU twin of vllm_dspark::markov_draft: OpenMP over requests, exact candidate
+// pruning per row. The per-element math comes from markov_common.h, the same
+// header the CUDA kernels use.
+//
+// Per (request, position) row, instead of the V x rank Markov matvec:
+//   1. one streaming pass over the vocabulary computes for every token an upper
+//      and a lower bound of its score from base_j and ||w2_j|| * ||e|| (plus,
+//      when sampling, table bounds of its Gumbel noise), keeps the running
+//      maximum lower bound and collects the tokens whose upper bound reaches it;
+//   2. exact scores (fp64 dot products, exact noise) are computed only for those
+//      candidates, skipping any whose bound falls below the best exact score.
+// A row whose candidates overflow kCandCap, and every row when out_logits is
+// requested, is computed densely instead.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "markov_common.h"
+#include "markov_draft_args.h"
+
+namespace dspark {
+namespace {
+
+constexpr int64_t kChunk = 256;     // tokens per vectorised step of pass 1
+constexpr int64_t kCandCap = 4096;  // candidates kept before a row goes dense
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+
+// ---------------------------------------------------------------------------
+// Gumbel bound tables. gumbel_exact(h) is increasing in h. For h < 2^31 the
+// buckets are uniform in h (h >> 20); for h >= 2^31 they follow c = ~h = the
+// distance of u from 1 on a log scale (leading bit position and the next 7
+// bits), because there g = -log(-log(u)) ~ -log(1 - u) changes fastest. Each
+// bucket stores the exact noise at its end points, widened by 1e-6 relative.
+// ---------------------------------------------------------------------------
+constexpr int kLowBuckets = 2048;
+constexpr int kHighBuckets = 31 * 128;
+
+inline int high_bucket(uint32_t c) {  // c = ~h, h >= 2^31 so c < 2^31
+  const uint32_t x = c | 1u;
+  const int lz = __builtin_clz(x);
+  const int e = 31 - lz;
+  const uint32_t m = ((x << lz) >> 24) & 0x7Fu;
+  return e * 128 + static_cast<int>(m);
+}
+
+struct GumbelTables {
+  float lo[kLowBuckets + kHighBuckets];
+  float hi[kLowBuckets + kHighBuckets];
+
+  static float widen(float g, float dir) { return g + dir * 1e-6f * (1.0f + std::fabs(g)); }
+
+  GumbelTables() {
+    for (int b = 0; b < kLowBuckets; ++b) {
+      const uint32_t h0 = static_cast<uint32_t>(b) << 20;
+      const uint32_t h1 = h0 + ((1u << 20) - 1u);
+      lo[b] = widen(gumbel_exact(h0), -1.f);
+      hi[b] = widen(gumbel_exact(h1), +1.f);
+    }
+    for (int k = 0; k < kHighBuckets; ++k) {
+      lo[kLowBuckets + k] = kInf;
+      hi[kLowBuckets + k] = -kInf;
+    }
+    auto cover = [&](uint32_t c) {  // the noise at h = ~c belongs to its bucket
+      const int k = kLowBuckets + high_bucket(c);
+      const float g = gumbel_exact(~c);
+      lo[k] = std::min(lo[k], widen(g, -1.f));
+      hi[k] = std::max(hi[k], widen(g, +1.f));
+    };
+    for (uint32_t c = 0; c < 256; ++c) cover(c);
+    for (int e = 8; e <= 30; ++e) {
+      for (uint32_t m = 0; m < 128; ++m) {
+        const uint64_t c0 = static_cast<uint64_t>(128 + m) << (e - 7);
+        const uint64_t c1 = (static_cast<uint64_t>(129 + m) << (e - 7)) - 1;
+        cover(static_cast<uint32_t>(c0));  // g decreases in c: the end points bound it
+        cover(static_cast<uint32_t>(c1));
+      }
+    }
+  }
+
+  inline int bucket(uint32_t h) const {
+    return h < 0x80000000u ? static_cast<int>(h >> 20) : kLowBuckets + high_bucket(~h);
+  }
+};
+
+const GumbelTables& gumbel_tables() {
+  static const GumbelTables tables;
+  return tables;
+}
+
+template <typename TW>
+inline double dot64(const TW* __restrict w, const double* __restrict e, int64_t n) {
+  double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+  int64_t k = 0;
+  for (; k + 4 <= n; k += 4) {
+    a0 += static_cast<double>(to_f(w[k])) * e[k];
+    a1 += static_cast<double>(to_f(w[k + 1])) * e[k + 1];
+    a2 += static_cast<double>(to_f(w[k + 2])) * e[k + 2];
+    a3 += static_cast<double>(to_f(w[k + 3])) * e[k + 3];
+  }
+  for (; k < n; ++k) a0 += static_cast<double>(to_f(w[k])) * e[k];
+  return (a0 + a1) + (a2 + a3);
+}
+
+struct Args {
+  const void* base;
+  const int64_t* anchor;
+  const void* w1;
+  const void* w2;
+  const float* norms;
+  const float* conf_base;  // nullable
+  const float* conf_w;     // nullable
+  const float* temperature;
+  const int64_t* seeds;
+  double threshold;
+  int64_t* out_tokens;
+  float* out_conf;
+  int32_t* out_lengths;
+  float* out_logits;  // nullable
+  int32_t* out_stats;  // nullable
+  int64_t R, B, V, rank;
+};
+
+struct Scratch {
+  std::vector<int32_t> cand;
+  std::vector<float> cand_ub;
+  std::vector<double> e64;
+};
+
+template <typename TB, typename TW>
+struct RowSolver {
+  const Args& a;
+  Scratch& s;
+  const TB* base;       // [V] of this row
+  const TW* w2;         // [V, rank]
+  const double* e64;    // [rank]
+  float T;              // > 0: sampled
+  bool sampled;
+  uint32_t key;
+  int64_t n_exact = 0;
+
+  // The reference's score of token j (exact).
+  inline float exact_score(int64_t j) {
+    ++n_exact;
+    const float bias = static_cast<float>(dot64(w2 + j * a.rank, e64, a.rank));
+    const float logit = to_f(base[j]) + bias;
+    if (!sampled) return logit;
+    return sampled_score(logit, T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))));
+  }
+
+  int64_t dense(float* logits_out) {
+    float best_s = -kInf;
+    int64_t best_j = std::numeric_limits<int64_t>::max();
+    n_exact = a.V;
+    for (int64_t j = 0; j < a.V; ++j) {
+      const float bias = static_cast<float>(dot64(w2 + j * a.rank, e64, a.rank));
+      const float logit = to_f(base[j]) + bias;
+      if (logits_out) logits_out[j] = logit;
+      const float sc = sampled
+          ? sampled_score(logit, T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))))
+          : logit;
+      if (better(sc, j, best_s, best_j)) {
+        best_s = sc;
+        best_j = j;
+      }
+    }
+    return best_j;
+  }
+
+  // Returns the token, or -1 when the candidates overflow (caller goes dense).
+  int64_t pruned(float scale) {
+    const GumbelTables& tab = gumbel_tables();
+    const float* norms = a.norms;
+    int32_t* cand = s.cand.data();
+    float* cand_ub = s.cand_ub.data();
+    int64_t n = 0;
+    float max_lb = -kInf;
+    int64_t arg_lb = -1;
+    alignas(64) float ub[kChunk];
+    alignas(64) float lb[kChunk];
+    alignas(64) uint32_t hh[kChunk];
+    for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
+      const int64_t len = std::min(kChunk, a.V - c0);
+      const TB* b = base + c0;
+      const float* nr = norms + c0;
+      for (int64_t t = 0; t < len; ++t) {
+        const float bf = to_f(b[t]);
+        const float m = bias_bound(nr[t], scale);
+        ub[t] = bf + m;
+        lb[t] = bf - m;
+      }
+      if (sampled) {
+        for (int64_t t = 0; t < len; ++t) {
+          hh[t] = token_hash(key, static_cast<uint32_t>(c0 + t));
+        }
+        for (int64_t t = 0; t < len; ++t) {
+          const int k = tab.bucket(hh[t]);
+          ub[t] = sampled_score(ub[t], T, tab.hi[k]);
+          lb[t] = sampled_score(lb[t], T, tab.lo[k]);
+        }
+      }
+      float cmax_lb = -kInf, cmax_ub = -kInf;
+      for (int64_t t = 0; t < len; ++t) {
+        cmax_lb = lb[t] > cmax_lb ? lb[t] : cmax_lb;
+        cmax_ub = ub[t] > cmax_ub ? ub[t] : cmax_ub;
+      }
+      if (cmax_lb > max_lb) {
+        max_lb = cmax_lb;
+        for (int64_t t = 0; t < len; ++t) {
+          if (lb[t] == cmax_lb) {
+            arg_lb = c0 + t;
+            break;
+          }
+        }
+      }
+      if (cmax_ub >= max_lb) {
+        for (int64_t t = 0; t < len; ++t) {
+          if (ub[t] >= max_lb) {
+            if (n == kCandCap) {  // compact with the current (higher) lower bound
+              int64_t w = 0;
+              for (int64_t q = 0; q < n; ++q) {
+                if (cand_ub[q] >= max_lb) {
+                  cand[w] = cand[q];
+                  cand_ub[w] = cand_ub[q];
+                  ++w;
+                }
+              }
+              n = w;
+              if (n > kCandCap / 2) return -1;
+            }
+            cand[n] = static_cast<int32_t>(c0 + t);
+            cand_ub[n] = ub[t];
+            ++n;
+          }
+        }
+      }
+    }
+    float best_s = -kInf;
+    int64_t best_j = std::numeric_limits<int64_t>::max();
+    if (arg_lb >= 0) {
+      best_s = exact_score(arg_lb);
+      best_j = arg_lb;
+    }
+    for (int64_t q = 0; q < n; ++q) {
+      const int64_t j = cand[q];
+      if (j == arg_lb || !may_win(cand_ub[q], j, best_s, best_j)) continue;
+      const float sc = exact_score(j);
+      if (better(sc, j, best_s, best_j)) {
+        best_s = sc;
+        best_j = j;
+      }
+    }
+    return best_j;
+  }
+};
+
+template <typename TB, typename TW>
+void draft_request(const Args& a, int64_t r, Scratch& s) {
+  const TW* w1 = static_cast<const TW*>(a.w1);
+  const TW* w2 = static_cast<const TW*>(a.w2);
+  const float T = a.temperature[r];
+  const bool sampled = T > 0.f;
+  int64_t prev = a.anchor[r];
+  double run = 1.0;
+  bool alive = true;
+  int32_t length = 0;
+  double* e64 = s.e64.data();
+  for (int64_t i = 0; i < a.B; ++i) {
+    const int64_t row = r * a.B + i;
+    const TW* w1row = w1 + prev * a.rank;
+    double en2 = 0.0;
+    for (int64_t k = 0; k < a.rank; ++k) {
+      e64[k] = static_cast<double>(to_f(w1row[k]));
+      en2 += e64[k] * e64[k];
+    }
+    RowSolver<TB, TW> solver{a, s, static_cast<const TB*>(a.base) + row * a.V, w2, e64,
+                             sampled ? T : 1.f, sampled,
+                             sampled ? row_key(a.seeds[r], static_cast<int>(i)) : 0u};
+    int64_t tok = -1;
+    if (a.out_logits == nullptr) tok = solver.pruned(bound_scale(std::sqrt(en2)));
+    if (tok < 0) {
+      solver.n_exact = 0;
+      tok = solver.dense(a.out_logits ? a.out_logits + row * a.V : nullptr);
+    }
+    a.out_tokens[row] = tok;
+    if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(solver.n_exact);
+
+    float c = 1.0f;
+    if (a.conf_base) {
+      double z = static_cast<double>(a.conf_base[row]);
+      if (a.conf_w) {
+        double d = 0.0;
+        for (int64_t k = 0; k < a.rank; ++k) d += e64[k] * static_cast<double>(a.conf_w[k]);
+        z += d;
+      }
+      c = confidence(z);
+    }
+    a.out_conf[row] = c;
+    alive = early_stop_step(&run, alive, c, a.threshold);
+    length += alive ? 1 : 0;
+    prev = tok;
+  }
+  a.out_lengths[r] = length;
+}
+
+template <typename TB, typename TW>
+void run_all(const Args& a) {
+  (void)gumbel_tables();  // build once, outside the parallel region
+  const int64_t R = a.R;
+#pragma omp parallel
+  {
+    Scratch s;
+    s.cand.resize(kCandCap);
+    s.cand_ub.resize(kCandCap);
+    s.e64.resize(a.rank);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t r = 0; r < R; ++r) draft_request<TB, TW>(a, r, s);
+  }
+}
+
+template <typename TB>
+void dispatch_w(const Args& a, at::ScalarType wt) {
+  switch (wt) {
+    case at::kFloat: return run_all<TB, float>(a);
+    case at::kBFloat16: return run_all<TB, c10::BFloat16>(a);
+    case at::kHalf: return run_all<TB, c10::Half>(a);
+    default: TORCH_CHECK(false, "markov_draft: unsupported weight dtype ", wt);
+  }
+}
+
+void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_ids,
+                      const at::Tensor& markov_w1, const at::Tensor& markov_w2,
+                      const at::Tensor& w2_row_norms,
+                      const std::optional<at::Tensor>& conf_base,
+                      const std::optional<at::Tensor>& conf_w_markov,
+                      const at::Tensor& temperature, const at::Tensor& seeds, double threshold,
+                      const at::Tensor& out_tokens, const at::Tensor& out_conf,
+                      const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
+                      const std::optional<at::Tensor>& out_stats) {
+  const MarkovShapes sh = check_markov_args(
+      base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
+      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats);
+  if (sh.num_reqs == 0 || sh.block == 0) {
+    out_lengths.zero_();
+    return;
+  }
+  TORCH_CHECK(sh.vocab > 0, "markov_draft: vocab must be > 0");
+  // Inputs are read in place when contiguous (the usual case).
+  const at::Tensor base = base_logits.contiguous();
+  const at::Tensor anchor = anchor_ids.contiguous();
+  const at::Tensor w1 = markov_w1.contiguous();
+  const at::Tensor w2 = markov_w2.contiguous();
+  const at::Tensor norms = w2_row_norms.contiguous();
+  const at::Tensor temp = temperature.contiguous();
+  const at::Tensor sd = seeds.contiguous();
+  at::Tensor cb, cw;
+  if (conf_base.has_value()) cb = conf_base->contiguous();
+  if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
+
+  const int64_t* anc = anchor.data_ptr<int64_t>();
+  for (int64_t r = 0; r < sh.num_reqs; ++r) {
+    TORCH_CHECK(anc[r] >= 0 && anc[r] < sh.vocab, "markov_draft: anchor_ids[", r, "] = ",
+                anc[r], " is outside the vocabulary [0, ", sh.vocab, ")");
+  }
+
+  Args a{};
+  a.base = base.data_ptr();
+  a.anchor = anchor.data_ptr<int64_t>();
+  a.w1 = w1.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.norms = norms.data_ptr<float>();
+  a.conf_base = cb.defined() ? cb.data_ptr<float>() : nullptr;
+  a.conf_w = cw.defined() ? cw.data_ptr<float>() : nullptr;
+  a.temperature = temp.data_ptr<float>();
+  a.seeds = sd.data_ptr<int64_t>();
+  a.threshold = threshold;
+  a.out_tokens = out_tokens.data_ptr<int64_t>();
+  a.out_conf = out_conf.data_ptr<float>();
+  a.out_lengths = out_lengths.data_ptr<int32_t>();
+  a.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
+  a.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
+  a.R = sh.num_reqs;
+  a.B = sh.block;
+  a.V = sh.vocab;
+  a.rank = sh.rank;
+
+  switch (base.scalar_type()) {
+    case at::kFloat: return dispatch_w<float>(a, w2.scalar_type());
+    case at::kBFloat16: return dispatch_w<c10::BFloat16>(a, w2.scalar_type());
+    case at::kHalf: return dispatch_w<c10::Half>(a, w2.scalar_type());
+    default: TORCH_CHECK(false, "markov_draft: unsupported base_logits dtype ", base.scalar_type());
+  }
+}
+
+}  // namespace
+}  // namespace dspark
+
+TORCH_LIBRARY_IMPL(vllm_dspark, CPU, m) { m.impl("markov_draft", &dspark::markov_draft_cpu); }

@@ -1,0 +1,35 @@
+// The one declaration of vllm_dspark's ops. Implementations register against
+// these schemas by dispatch key: CPU in markov_draft_cpu.cpp, CUDA in
+// markov_draft_cuda.cpp (built only with a CUDA torch). The fake (meta)
+// implementation is registered from Python in vllm_dspark/ops/markov.py.
+#include <Python.h>
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(vllm_dspark, m) {
+  // Sequential Markov bias + token pick + confidence early stop for one draft
+  // block. See vllm_dspark/ops/markov.py for the contract and
+  // vllm_dspark/ops/markov_reference.py for the golden semantics.
+  //   base_logits   [R, B, V] fp32/bf16/fp16
+  //   anchor_ids    [R] int64
+  //   markov_w1/w2  [V, rank] (same dtype, fp32/bf16/fp16)
+  //   w2_row_norms  [V] fp32 (markov_row_norms(markov_w2))
+  //   conf_base     [R, B] fp32 or None (no confidence head: confidences are 1)
+  //   conf_w_markov [rank] fp32 or None
+  //   temperature   [R] fp32 (<= 0: greedy), seeds [R] int64
+  //   out_tokens [R, B] int64, out_conf [R, B] fp32, out_lengths [R] int32
+  //   out_logits [R, B, V] fp32 or None (given: dense path, corrected logits)
+  //   out_stats  [R, B] int32 or None (exact scores evaluated per row; V = dense)
+  m.def(
+      "markov_draft(Tensor base_logits, Tensor anchor_ids, Tensor markov_w1, "
+      "Tensor markov_w2, Tensor w2_row_norms, Tensor? conf_base, Tensor? conf_w_markov, "
+      "Tensor temperature, Tensor seeds, float threshold, Tensor(a!) out_tokens, "
+      "Tensor(b!) out_conf, Tensor(c!) out_lengths, Tensor(d!)? out_logits, "
+      "Tensor(e!)? out_stats) -> ()");
+}
+
+// Importing vllm_dspark._C runs the static registrations above; the module
+// itself has no Python attributes.
+static struct PyModuleDef dspark_module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&dspark_module); }

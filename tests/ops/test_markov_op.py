@@ -1,0 +1,312 @@
+"""The compiled Markov draft op (CPU twin) against the PyTorch reference.
+
+Tokens compare with ``torch.equal``; confidences within CONF_ATOL (both sides
+take an fp64 sigmoid and round to fp32, so they differ by at most an ulp);
+lengths with ``torch.equal``. Every op call goes through ``run_op``, which
+asserts that the compiled kernel (not the Python fallback) ran.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from vllm_dspark.ops import markov as M
+from vllm_dspark.ops.markov_reference import (
+    gumbel_hash,
+    gumbel_noise,
+    markov_draft_reference,
+    markov_row_norms,
+    mix32,
+)
+
+CONF_ATOL = 1e-6
+K3_VOCAB = 163840
+
+
+def test_compiled_op_is_loaded():
+    # A silent fallback to Python must not let the kernel tests below pass.
+    assert M.is_compiled_available("cpu"), M._why_not(
+        torch.zeros(1, 1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1))
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("vllm_dspark::markov_draft", "CPU")
+
+
+def make_case(R, B, V, rank, dtype=torch.float32, *, seed=0, base_std=1.0, w_std=0.05,
+              conf=True, conf_w=True, peaky=False):
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(R, B, V, generator=g) * base_std
+    if peaky:  # a trained-like row: a few tokens far above the rest
+        top = torch.randint(0, V, (R, B, 4), generator=g)
+        base.scatter_add_(2, top, 8.0 + 4.0 * torch.rand(R, B, 4, generator=g))
+    w1 = torch.randn(V, rank, generator=g) * w_std
+    w2 = torch.randn(V, rank, generator=g) * w_std
+    case = dict(
+        base_logits=base.to(dtype),
+        anchor_ids=torch.randint(0, V, (R,), generator=g),
+        markov_w1=w1.to(dtype),
+        markov_w2=w2.to(dtype),
+        conf_base=(torch.randn(R, B, generator=g) * 1.5 + 2.5) if conf else None,
+        conf_w_markov=(torch.randn(rank, generator=g) * 0.3) if (conf and conf_w) else None,
+        seeds=torch.randint(-2**62, 2**62, (R,), generator=g),
+    )
+    return case
+
+
+def temperatures(R, mode):
+    if mode == "greedy":
+        return torch.zeros(R)
+    if mode == "sampled":
+        return torch.linspace(0.6, 1.4, R) if R > 1 else torch.ones(1)
+    t = torch.ones(R)  # mixed: even requests greedy
+    t[::2] = 0.0
+    return t
+
+
+def run_op(case, temperature, threshold, **kw):
+    out = M.markov_draft(
+        case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
+        markov_row_norms(case["markov_w2"]), case["conf_base"], case["conf_w_markov"],
+        temperature, case["seeds"], threshold, allow_fallback=False, return_stats=True, **kw)
+    assert M.last_path() == "compiled"
+    return out
+
+
+def run_ref(case, temperature, threshold, **kw):
+    return markov_draft_reference(
+        case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
+        case["conf_base"], case["conf_w_markov"], temperature, case["seeds"], threshold, **kw)
+
+
+def assert_matches(out, ref):
+    tokens, conf, lengths = ref[:3]
+    assert torch.equal(out.tokens, tokens), (out.tokens, tokens)
+    torch.testing.assert_close(out.conf, conf, atol=CONF_ATOL, rtol=0)
+    assert torch.equal(out.lengths, lengths), (out.lengths, lengths)
+
+
+SMALL_SHAPES = [  # (R, B, V, rank)
+    (1, 7, 111, 1),
+    (1, 1, 111, 256),
+    (5, 7, 111, 256),
+    (3, 1, 111, 1),
+    (4, 7, 1000, 16),
+]
+
+
+@pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "R{}-B{}-V{}-r{}".format(*s))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "mixed"])
+@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.99])
+def test_op_matches_reference_small(shape, dtype, mode, threshold):
+    R, B, V, rank = shape
+    case = make_case(R, B, V, rank, dtype, seed=hash((shape, mode)) % 1000)
+    temp = temperatures(R, mode)
+    out = run_op(case, temp, threshold)
+    assert_matches(out, run_ref(case, temp, threshold))
+    if threshold == 0.0:
+        assert bool((out.lengths == B).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("peaky", [False, True], ids=["flat", "peaky"])
+def test_op_matches_reference_k3_vocab(dtype, mode, peaky):
+    R = 2 if mode == "greedy" else 1  # the fp64 reference is slow at this size
+    case = make_case(R, 7, K3_VOCAB, 256, dtype, seed=11, peaky=peaky)
+    temp = temperatures(R, mode)
+    out = run_op(case, temp, 0.5)
+    assert_matches(out, run_ref(case, temp, 0.5))
+    # The pruning really prunes on these regimes.
+    assert int(out.stats.max()) < K3_VOCAB // 100, out.stats
+
+
+def test_op_matches_reference_k3_vocab_rank1():
+    case = make_case(3, 7, K3_VOCAB, 1, seed=5)
+    temp = temperatures(3, "mixed")
+    assert_matches(run_op(case, temp, 0.99), run_ref(case, temp, 0.99))
+
+
+def test_empty_draft_is_allowed():
+    case = make_case(3, 7, 111, 8, seed=1)
+    case["conf_base"] = torch.full((3, 7), -4.0)  # conf ~ 0.02 < threshold
+    case["conf_base"][1] = 6.0
+    out = run_op(case, torch.zeros(3), 0.5)
+    assert_matches(out, run_ref(case, torch.zeros(3), 0.5))
+    assert out.lengths.tolist()[0] == 0 and out.lengths.tolist()[2] == 0
+    assert out.lengths.tolist()[1] > 0
+
+
+def test_no_confidence_head_fills_ones():
+    case = make_case(2, 7, 111, 8, seed=2, conf=False)
+    out = run_op(case, torch.zeros(2), 0.99)
+    assert torch.equal(out.conf, torch.ones(2, 7))
+    assert out.lengths.tolist() == [7, 7]
+    assert_matches(out, run_ref(case, torch.zeros(2), 0.99))
+
+
+# --- adversarial pruning cases ---------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_markov_bias_outweighs_base(mode):
+    # Bias std ~ 16 x the base std: the bound is loose, pruning must stay exact.
+    case = make_case(3, 7, 3000, 64, seed=3, base_std=0.05, w_std=0.5)
+    temp = temperatures(3, mode)
+    assert_matches(run_op(case, temp, 0.5), run_ref(case, temp, 0.5))
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_bias_at_the_cauchy_schwarz_bound(mode):
+    # w2 rows parallel to w1[prev]: the bias equals ||w2_j|| ||e|| exactly, so
+    # the upper bound is tight; near-winners are separated by a few ulps.
+    V, rank, R, B = 5000, 32, 2, 7
+    case = make_case(R, B, V, rank, seed=4, base_std=1.0, w_std=0.1)
+    w1, w2 = case["markov_w1"], case["markov_w2"]
+    v = torch.randn(rank)
+    w1[:] = v / v.norm()  # every previous token has the same embedding
+    scale = torch.rand(V) * 2.0 - 1.0
+    w2[:] = scale[:, None] * v[None, :]
+    base = case["base_logits"]
+    base[:, :, 123] = 5.0
+    base[:, :, 777] = 5.0 - (scale[777] - scale[123]) * v.norm() + 1e-6
+    temp = temperatures(R, mode)
+    assert_matches(run_op(case, temp, 0.0), run_ref(case, temp, 0.0))
+
+
+def test_ties_go_to_the_lowest_token():
+    V, rank = 2000, 16
+    case = make_case(2, 7, V, rank, seed=6, base_std=0.1)
+    base, w2 = case["base_logits"], case["markov_w2"]
+    for j in (1500, 40, 900):  # identical base and identical w2 rows
+        base[:, :, j] = 10.0
+        w2[j] = w2[40]
+    out = run_op(case, torch.zeros(2), 0.0)
+    assert_matches(out, run_ref(case, torch.zeros(2), 0.0))
+    assert bool((out.tokens == 40).all())
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_all_equal_base_forces_dense_fallback(mode):
+    V = 20000
+    case = make_case(2, 3, V, 8, seed=7)
+    case["base_logits"].fill_(0.25)
+    case["markov_w2"].zero_()  # every token ties exactly
+    temp = temperatures(2, mode)
+    out = run_op(case, temp, 0.0)
+    assert_matches(out, run_ref(case, temp, 0.0))
+    if mode == "greedy":
+        assert bool((out.tokens == 0).all())
+        assert bool((out.stats == V).all()), out.stats  # every row went dense
+
+
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_minus_inf_entries(mode, dtype):
+    V = 6000
+    case = make_case(3, 7, V, 32, dtype, seed=8)
+    g = torch.Generator().manual_seed(9)
+    base = case["base_logits"]
+    base[torch.rand(base.shape, generator=g) < 0.6] = float("-inf")
+    base[0, 2] = float("-inf")  # a whole row masked: token 0 by the tie rule
+    base[1, :, :4000] = float("-inf")  # a masked prefix longer than the candidate cap
+    temp = temperatures(3, mode)
+    out = run_op(case, temp, 0.5)
+    assert_matches(out, run_ref(case, temp, 0.5))
+    assert out.tokens[0, 2].item() == 0
+
+
+@pytest.mark.parametrize("mode", ["greedy", "mixed"])
+def test_out_logits_takes_the_dense_path(mode):
+    case = make_case(3, 7, 777, 32, torch.bfloat16, seed=10)
+    temp = temperatures(3, mode)
+    out = run_op(case, temp, 0.5, return_logits=True)
+    ref = run_ref(case, temp, 0.5, return_logits=True)
+    assert_matches(out, ref)
+    torch.testing.assert_close(out.logits, ref[3], atol=1e-6, rtol=1e-6)
+    assert bool((out.stats == 777).all())
+
+
+# --- the op as a torch.library op -------------------------------------------------
+
+def _op_args(case, temperature, threshold, with_logits):
+    R, B, V = case["base_logits"].shape
+    return (case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
+            markov_row_norms(case["markov_w2"]), case["conf_base"], case["conf_w_markov"],
+            temperature, case["seeds"], threshold,
+            torch.empty(R, B, dtype=torch.int64), torch.empty(R, B),
+            torch.empty(R, dtype=torch.int32),
+            torch.empty(R, B, V) if with_logits else None,
+            torch.empty(R, B, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("with_logits", [False, True])
+def test_opcheck(with_logits):
+    assert M.is_compiled_available("cpu")
+    case = make_case(3, 4, 111, 8, seed=12)
+    args = _op_args(case, temperatures(3, "mixed"), 0.5, with_logits)
+    torch.library.opcheck(torch.ops.vllm_dspark.markov_draft.default, args)
+
+
+def test_op_rejects_bad_anchor():
+    case = make_case(1, 2, 111, 4, seed=13)
+    case["anchor_ids"][0] = 111
+    with pytest.raises(RuntimeError, match="anchor_ids"):
+        run_op(case, torch.zeros(1), 0.0)
+
+
+# --- wrapper behaviour --------------------------------------------------------------
+
+def test_wrapper_falls_back_and_says_why(caplog):
+    case = make_case(2, 3, 50, 4, seed=14)
+    base64 = case["base_logits"].to(torch.float64)  # no compiled path for fp64
+    reason = M._why_not(base64, case["markov_w1"], case["markov_w2"],
+                        markov_row_norms(case["markov_w2"]))
+    assert reason and "float64" in reason
+    with caplog.at_level("WARNING", logger=M.__name__):
+        out = M.markov_draft(base64, case["anchor_ids"], case["markov_w1"], case["markov_w2"])
+        M.markov_draft(base64, case["anchor_ids"], case["markov_w1"], case["markov_w2"])
+    assert M.last_path() == "reference"
+    assert sum(reason in r.getMessage() for r in caplog.records) <= 1  # logged once
+    assert out.tokens.shape == (2, 3) and out.stats is None
+    with pytest.raises(RuntimeError, match="float64"):
+        M.markov_draft(base64, case["anchor_ids"], case["markov_w1"], case["markov_w2"],
+                       allow_fallback=False)
+
+
+def test_row_norms():
+    w2 = torch.randn(300, 17).to(torch.bfloat16)
+    torch.testing.assert_close(markov_row_norms(w2), w2.float().norm(dim=1), rtol=1e-6, atol=0)
+    assert markov_row_norms(w2).dtype == torch.float32
+
+
+# --- the noise definition ------------------------------------------------------------
+
+def _mix32_py(x: int) -> int:
+    m = 0xFFFFFFFF
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & m
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & m
+    x ^= x >> 16
+    return x
+
+
+def test_hash_is_the_documented_32_bit_hash():
+    xs = torch.tensor([0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xFFFFFFFF, 0xDEADBEEF])
+    assert mix32(xs).tolist() == [_mix32_py(int(x)) for x in xs]
+    seed, pos, V = -123456789012345, 3, 40
+    s = seed & 0xFFFFFFFFFFFFFFFF
+    k = _mix32_py((s & 0xFFFFFFFF) ^ 0x9E3779B9)
+    k = _mix32_py(k ^ (s >> 32))
+    k = _mix32_py(k ^ pos)
+    expect = [_mix32_py(k ^ ((j * 0x9E3779B1) & 0xFFFFFFFF)) for j in range(V)]
+    assert gumbel_hash(torch.tensor([seed]), pos, V)[0].tolist() == expect
+
+
+def test_gumbel_noise_statistics():
+    g = gumbel_noise(torch.tensor([7, 8]), 0, 200000)
+    assert g.dtype == torch.float32 and bool(torch.isfinite(g).all())
+    assert abs(g.double().mean().item() - 0.5772156649) < 0.01  # Euler-Mascheroni
+    assert abs(g.double().var().item() - math.pi ** 2 / 6) < 0.03
+    assert not torch.equal(g[0], g[1])

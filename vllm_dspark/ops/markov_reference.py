@@ -1,0 +1,228 @@
+"""The Markov draft stage as the obvious PyTorch loop: the golden semantics.
+
+This module defines what ``vllm_dspark.ops.markov_draft`` computes. The compiled
+op (``csrc/``) must propose exactly the tokens this loop proposes; the reference
+drafter imports it so that the model code and the kernel share one definition.
+
+Semantics (per request ``r``, left to right over the block's positions)::
+
+    prev = anchor_ids[r]
+    for i in range(block):
+        e      = fp32(markov_w1[prev])                                  # [rank]
+        bias   = fp32(fp64(e) @ fp64(markov_w2).T)                      # [vocab]
+        logits = fp32(base_logits[r, i]) + bias                         # fp32 add
+        if temperature[r] <= 0:  token = argmax(logits)                 # greedy
+        else:                    token = argmax(logits / T + g(seed, i)) # fp32 ops
+        z      = fp64(conf_base[r, i]) + fp64(e) . fp64(conf_w_markov)
+        conf   = fp32(sigmoid(z))                                       # fp64 sigmoid
+        prev   = token
+
+* ``argmax`` breaks ties towards the LOWEST token id (as ``torch.argmax``).
+* The Markov bias is accumulated in fp64 and rounded once to fp32. That makes it
+  independent of the summation order of whatever BLAS or kernel computes it, so
+  the compiled op can reproduce it token for token.
+* ``g(seed, i)`` is Gumbel noise from a counter-based hash, see
+  :func:`gumbel_noise`; it is identical on every device and in the kernels.
+* The confidence of position ``i`` uses the embedding of the PREVIOUS token
+  (the anchor for ``i == 0``). Without a confidence head every confidence is 1.
+* Draft length: the longest prefix whose running product of the fp32
+  confidences (multiplied in fp64) stays ``>= threshold``, so it can be
+  recomputed from the returned confidences. A draft CAN be empty (length 0 when
+  ``conf_0 < threshold``); threshold 0 always keeps the whole block. Tokens and
+  confidences are still produced for every position.
+* ``-inf`` base logits are allowed (a row of only ``-inf`` proposes token 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "MASK32",
+    "mix32",
+    "gumbel_hash",
+    "gumbel_noise",
+    "markov_row_norms",
+    "markov_draft_reference",
+]
+
+MASK32 = 0xFFFFFFFF
+# Constants of the counter-based hash (shared with csrc/markov_common.h).
+_GOLDEN = 0x9E3779B9
+_MIX_C1 = 0x7FEB352D
+_MIX_C2 = 0x846CA68B
+_J_STEP = 0x9E3779B1
+_TWO_M32 = 2.0 ** -32
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 ``x`` in [0, 2^32) without int64 overflow."""
+    lo = x * (c & 0xFFFF)
+    hi = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (lo + hi) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """32-bit integer finaliser on int64 tensors holding values in [0, 2^32).
+
+    ``x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x846ca68b; x ^= x >> 16``
+    (all mod 2^32), bit-identical to ``dspark_mix32`` in ``csrc/markov_common.h``.
+    """
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX_C1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX_C2)
+    x = x ^ (x >> 16)
+    return x
+
+
+def _row_key(seeds: torch.Tensor, position: int) -> torch.Tensor:
+    """Per (request, position) 32-bit key. ``seeds``: int64 [R] -> int64 [R]."""
+    s = seeds.to(torch.int64)
+    lo = s & MASK32
+    hi = (s >> 32) & MASK32
+    k = mix32(lo ^ _GOLDEN)
+    k = mix32(k ^ hi)
+    return mix32(k ^ (int(position) & MASK32))
+
+
+def gumbel_hash(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """32-bit hash ``h[r, j]`` of (seed[r], position, token j) as int64 [R, vocab].
+
+    ``key = mix32(mix32(mix32(lo32(seed) ^ 0x9e3779b9) ^ hi32(seed)) ^ position)``
+    and ``h[j] = mix32(key ^ (j * 0x9e3779b1 mod 2^32))``.
+    """
+    key = _row_key(seeds, position)  # [R]
+    j = torch.arange(vocab, dtype=torch.int64, device=seeds.device)
+    jj = (j * _J_STEP) & MASK32  # j < 2^31 keeps the product inside int64
+    return mix32(key[:, None] ^ jj[None, :])
+
+
+def gumbel_noise(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor:
+    """Gumbel noise for block position ``position``: fp32 [R, vocab].
+
+    ``u = (h + 0.5) * 2^-32`` (exact in fp64), ``g = fp32(-log(-log(u)))``
+    evaluated in fp64 and rounded once to fp32.
+    """
+    h = gumbel_hash(seeds, position, vocab)
+    u = (h.to(torch.float64) + 0.5) * _TWO_M32
+    return (-torch.log(-torch.log(u))).to(torch.float32)
+
+
+def markov_row_norms(markov_w2: torch.Tensor) -> torch.Tensor:
+    """``||markov_w2[j]||_2`` for every token, fp32 [vocab] (fp64 accumulation).
+
+    Compute once per loaded model and pass to ``markov_draft``; the pruning
+    bound relies on these being accurate to ~1e-6 relative.
+    """
+    out = torch.empty(markov_w2.shape[0], dtype=torch.float32, device=markov_w2.device)
+    chunk = 16384  # bounds the fp64 temporary
+    for s in range(0, markov_w2.shape[0], chunk):
+        w = markov_w2[s:s + chunk].to(torch.float64)
+        out[s:s + chunk] = torch.linalg.vector_norm(w, dim=1).to(torch.float32)
+    return out
+
+
+class _Bias:
+    """fp32(fp64(e) @ fp64(markov_w2).T): the Markov bias, summation-order free.
+
+    ``markov_w2`` is widened to fp64 once per call (in chunks when large).
+    """
+
+    _WHOLE_LIMIT = 1 << 30  # bytes of fp64 copy kept whole
+
+    def __init__(self, markov_w2: torch.Tensor):
+        self.w2 = markov_w2
+        self.w64 = (markov_w2.to(torch.float64)
+                    if markov_w2.numel() * 8 <= self._WHOLE_LIMIT else None)
+
+    def __call__(self, e: torch.Tensor) -> torch.Tensor:  # [R, rank] -> [R, V]
+        e64 = e.to(torch.float64)
+        if self.w64 is not None:
+            return (e64 @ self.w64.T).to(torch.float32)
+        out = torch.empty(e.shape[0], self.w2.shape[0], dtype=torch.float32, device=e.device)
+        chunk = 16384
+        for s in range(0, self.w2.shape[0], chunk):
+            w = self.w2[s:s + chunk].to(torch.float64)
+            out[:, s:s + chunk] = (e64 @ w.T).to(torch.float32)
+        return out
+
+
+def markov_draft_reference(
+    base_logits: torch.Tensor,
+    anchor_ids: torch.Tensor,
+    markov_w1: torch.Tensor,
+    markov_w2: torch.Tensor,
+    conf_base: torch.Tensor | None = None,
+    conf_w_markov: torch.Tensor | None = None,
+    temperature: torch.Tensor | None = None,
+    seeds: torch.Tensor | None = None,
+    threshold: float = 0.0,
+    return_logits: bool = False,
+):
+    """The obvious sequential loop (see the module docstring for the semantics).
+
+    Parameters
+    ----------
+    base_logits : [R, B, V] bf16/fp16/fp32, target-LM-head logits per position.
+    anchor_ids : [R] int64, last accepted token of each request.
+    markov_w1, markov_w2 : [V, rank], Markov head weights.
+    conf_base : [R, B] fp32 or None, confidence pre-activation of the hidden part
+        (``proj_h . h_i + bias``). None: no confidence head (confidences are 1).
+    conf_w_markov : [rank] fp32 or None, Markov part of the confidence weight.
+    temperature : [R] fp32 or None (greedy); ``<= 0`` means greedy for that request.
+    seeds : [R] int64 or None (zeros).
+    threshold : early-stop threshold on the running product of confidences.
+    return_logits : also return the corrected fp32 logits [R, B, V]
+        (base + bias, before temperature and noise).
+
+    Returns
+    -------
+    tokens : [R, B] int64, conf : [R, B] fp32, lengths : [R] int32
+    (and logits : [R, B, V] fp32 when ``return_logits``).
+    """
+    R, B, V = base_logits.shape
+    dev = base_logits.device
+    if temperature is None:
+        temperature = torch.zeros(R, dtype=torch.float32, device=dev)
+    if seeds is None:
+        seeds = torch.zeros(R, dtype=torch.int64, device=dev)
+    temperature = temperature.to(torch.float32)
+    sampled = temperature > 0  # [R]
+    safe_t = torch.where(sampled, temperature, torch.ones_like(temperature))
+
+    tokens = torch.empty(R, B, dtype=torch.int64, device=dev)
+    conf = torch.ones(R, B, dtype=torch.float32, device=dev)
+    all_logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
+                  if return_logits else None)
+    run = torch.ones(R, dtype=torch.float64, device=dev)
+    alive = torch.ones(R, dtype=torch.bool, device=dev)
+    lengths = torch.zeros(R, dtype=torch.int32, device=dev)
+
+    bias_of = _Bias(markov_w2)
+    prev = anchor_ids.to(torch.int64)
+    for i in range(B):
+        e = markov_w1[prev].to(torch.float32)                      # [R, rank]
+        logits = base_logits[:, i].to(torch.float32) + bias_of(e)  # [R, V]
+        if all_logits is not None:
+            all_logits[:, i] = logits
+        scores = logits
+        if bool(sampled.any()):
+            noisy = logits / safe_t[:, None] + gumbel_noise(seeds, i, V)
+            scores = torch.where(sampled[:, None], noisy, logits)
+        tok = torch.argmax(scores, dim=-1)  # first maximal index on ties
+        tokens[:, i] = tok
+
+        if conf_base is not None:
+            z = conf_base[:, i].to(torch.float64)
+            if conf_w_markov is not None:
+                z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
+            conf[:, i] = torch.sigmoid(z).to(torch.float32)
+        run = run * conf[:, i].to(torch.float64)
+        alive = alive & (run >= threshold)
+        lengths += alive.to(torch.int32)
+        prev = tok
+
+    if return_logits:
+        return tokens, conf, lengths, all_logits
+    return tokens, conf, lengths
