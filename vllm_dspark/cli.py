@@ -119,6 +119,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_dspark.deploy.plan import add_plan_parser
+
     parser = argparse.ArgumentParser(prog="vllm-dspark", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="summarise and validate a DSpark checkpoint or config.json")
@@ -128,12 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default=None,
                    help="the target's config.json (or model directory): check the drafter fits it")
     p.set_defaults(func=_cmd_inspect)
-    try:
-        from vllm_dspark.deploy.plan import add_plan_parser
-    except ImportError:
-        pass
-    else:
-        add_plan_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 
