@@ -1,0 +1,95 @@
+// Torch glue of the CUDA implementation of vllm_dspark::markov_draft: checks
+// the arguments, takes the current stream and calls the raw-pointer launcher
+// in markov_draft_kernels.cu. Built only with a CUDA torch (setup.py); the
+// kernels themselves compile without torch (scripts/compile_cuda.sh).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "markov_draft_args.h"
+#include "markov_draft_kernels.h"
+
+namespace dspark {
+namespace {
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kHalf: return DType::kFloat16;
+    default: TORCH_CHECK(false, "markov_draft: unsupported dtype ", t);
+  }
+}
+
+void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_ids,
+                       const at::Tensor& markov_w1, const at::Tensor& markov_w2,
+                       const at::Tensor& w2_row_norms,
+                       const std::optional<at::Tensor>& conf_base,
+                       const std::optional<at::Tensor>& conf_w_markov,
+                       const at::Tensor& temperature, const at::Tensor& seeds,
+                       double threshold, const at::Tensor& out_tokens,
+                       const at::Tensor& out_conf, const at::Tensor& out_lengths,
+                       const std::optional<at::Tensor>& out_logits,
+                       const std::optional<at::Tensor>& out_stats) {
+  const MarkovShapes sh = check_markov_args(
+      base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
+      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats);
+  TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
+  TORCH_CHECK(sh.rank * 4 <= 40 * 1024, "markov_draft: rank ", sh.rank,
+              " is too large for the CUDA kernel (at most 10240)");
+  TORCH_CHECK(sh.num_reqs <= 65535, "markov_draft: at most 65535 requests per call");
+  for (const auto* t : {&conf_base, &conf_w_markov}) {
+    if (t->has_value()) {
+      TORCH_CHECK((*t)->device() == base_logits.device(), "markov_draft: all tensors must be on ",
+                  base_logits.device());
+    }
+  }
+  const c10::cuda::OptionalCUDAGuard guard(base_logits.device());
+  // No-ops for the contiguous tensors the wrapper passes. Anchor ids are not
+  // range-checked here (that would synchronise); they must lie in [0, vocab).
+  const at::Tensor base = base_logits.contiguous();
+  const at::Tensor anchor = anchor_ids.contiguous();
+  const at::Tensor w1 = markov_w1.contiguous();
+  const at::Tensor w2 = markov_w2.contiguous();
+  const at::Tensor norms = w2_row_norms.contiguous();
+  const at::Tensor temp = temperature.contiguous();
+  const at::Tensor sd = seeds.contiguous();
+  at::Tensor cb, cw;
+  if (conf_base.has_value()) cb = conf_base->contiguous();
+  if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
+
+  MarkovDraftParams p{};
+  p.base = base.data_ptr();
+  p.base_dtype = to_dtype(base.scalar_type());
+  p.anchor = anchor.data_ptr<int64_t>();
+  p.w1 = w1.data_ptr();
+  p.w2 = w2.data_ptr();
+  p.w_dtype = to_dtype(w2.scalar_type());
+  p.norms = norms.data_ptr<float>();
+  p.conf_base = cb.defined() ? cb.data_ptr<float>() : nullptr;
+  p.conf_w = cw.defined() ? cw.data_ptr<float>() : nullptr;
+  p.temperature = temp.data_ptr<float>();
+  p.seeds = sd.data_ptr<int64_t>();
+  p.threshold = threshold;
+  p.out_tokens = out_tokens.data_ptr<int64_t>();
+  p.out_conf = out_conf.data_ptr<float>();
+  p.out_lengths = out_lengths.data_ptr<int32_t>();
+  p.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
+  p.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
+  p.R = sh.num_reqs;
+  p.B = sh.block;
+  p.V = sh.vocab;
+  p.rank = sh.rank;
+  if (p.R == 0 || p.B == 0) {
+    out_lengths.zero_();
+    return;
+  }
+  const cudaError_t err = launch_markov_draft(p, c10::cuda::getCurrentCUDAStream().stream());
+  TORCH_CHECK(err == cudaSuccess, "markov_draft: CUDA launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace dspark
+
+TORCH_LIBRARY_IMPL(vllm_dspark, CUDA, m) { m.impl("markov_draft", &dspark::markov_draft_cuda); }
