@@ -1,0 +1,221 @@
+"""Tiny target/drafter pairs in the real on-disk layouts, built in seconds on a CPU.
+
+Used by the test-suite, the smoke scripts and anyone who wants to try the
+plugin without a GPU or a model hub:
+
+* ``make_tokenizer``: a byte-level tokenizer (256 byte tokens, then filler
+  special tokens up to the vocabulary size) that vLLM loads from a directory.
+* ``make_target``: a Qwen3 or Llama causal LM in the Hugging Face layout. With
+  ``bigram`` it is (almost) a bigram model: its greedy next token is
+  ``bigram[current token]``, computed through the real attention and MLP
+  layers, whose contribution is kept small.
+* ``make_drafter``: a DSpark drafter in SpecForge's export layout (one
+  safetensors file, no embedding or LM head). ``oracle`` mode encodes a bigram
+  table in the Markov head and silences the backbone, so its right answer is
+  known: when the table equals the target's, every draft token is accepted.
+  ``random`` mode exercises every weight of the backbone.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from vllm_dspark.checkpoint.io import save_checkpoint
+from vllm_dspark.config import DSparkConfig
+from vllm_dspark.model.reference import DSparkDraftModel
+
+
+def make_tokenizer(path: str | Path, vocab_size: int) -> Path:
+    """Byte-level tokenizer with exactly ``vocab_size`` ids; ids >= 256 are special fillers."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    if vocab_size < 260:
+        raise ValueError(f"vocab_size {vocab_size} too small: need 256 byte tokens + 4 specials")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(byte_chars))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|bos|>", "<|eos|>", "<|pad|>", "<|mask|>"]
+    specials += [f"<|x{i}|>" for i in range(vocab_size - 256 - len(specials))]
+    tok.add_special_tokens(specials)
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<|bos|>", "eos_token": "<|eos|>", "pad_token": "<|pad|>",
+        "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
+    }, indent=2))
+    return path
+
+
+TOKEN_IDS = {"bos": 256, "eos": 257, "pad": 258, "mask": 259}
+
+
+def random_bigram(vocab_size: int, seed: int = 0, allowed: int | None = None) -> torch.Tensor:
+    """A random next-token table over the first ``allowed`` ids (default: bytes only)."""
+    g = torch.Generator().manual_seed(seed)
+    allowed = allowed or 256
+    table = torch.randint(0, allowed, (vocab_size,), generator=g)
+    return table
+
+
+def _unit_rows(n: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, dim, generator=g)
+    return x / x.norm(dim=-1, keepdim=True)
+
+
+def make_target(path: str | Path, *, arch: str = "qwen3", vocab_size: int = 384, hidden_size: int = 128,
+                num_layers: int = 4, num_heads: int = 2, num_kv_heads: int = 1, head_dim: int = 64,
+                intermediate_size: int = 256, bigram: torch.Tensor | None = None, seed: int = 0,
+                dtype: torch.dtype = torch.float32, max_position_embeddings: int = 4096) -> Path:
+    """Save a small causal LM (+ tokenizer) that vLLM serves from ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    path = Path(path)
+    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim,
+                  intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
+                  bos_token_id=TOKEN_IDS["bos"], eos_token_id=TOKEN_IDS["eos"], pad_token_id=TOKEN_IDS["pad"],
+                  tie_word_embeddings=False, rms_norm_eps=1e-6)
+    if arch == "qwen3":
+        cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif arch == "llama":
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        raise ValueError(f"arch {arch!r}: expected 'qwen3' or 'llama'")
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.05, generator=g)
+        if bigram is not None:
+            # Strong bigram path: logits_j ~ beta * <u_j', u_x> for j = bigram[x].
+            u = _unit_rows(vocab_size, hidden_size, g)
+            model.model.embed_tokens.weight.copy_(u)
+            lm = torch.zeros(vocab_size, hidden_size)
+            # Each output row collects the embeddings of the tokens that map to it.
+            lm.index_add_(0, bigram, u)
+            model.lm_head.weight.copy_(lm * 4.0)
+            for layer in model.model.layers:  # keep layers contributing, but small
+                layer.self_attn.o_proj.weight.mul_(0.02)
+                layer.mlp.down_proj.weight.mul_(0.02)
+    model = model.to(dtype)
+    model.save_pretrained(str(path), safe_serialization=True)
+    make_tokenizer(path, vocab_size)
+    (path / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": TOKEN_IDS["bos"], "eos_token_id": TOKEN_IDS["eos"], "pad_token_id": TOKEN_IDS["pad"]}))
+    return path
+
+
+def drafter_config_for(target_dir: str | Path, *, block_size: int = 7, target_layer_ids=None,
+                       num_layers: int = 1, markov_rank: int = 32, confidence: bool = True,
+                       with_markov: bool = True, num_heads: int | None = None, num_kv_heads: int | None = None,
+                       head_dim: int = 64, intermediate_size: int | None = None,
+                       mask_token_id: int | None = None) -> DSparkConfig:
+    """A DSparkConfig that fits the target saved at ``target_dir``."""
+    t = json.loads((Path(target_dir) / "config.json").read_text())
+    n_t = t["num_hidden_layers"]
+    if target_layer_ids is None:  # spread over the target, never its last layer
+        target_layer_ids = sorted({max(0, round(i * (n_t - 2) / 2)) for i in range(3)})
+    heads = num_heads or max(1, t["hidden_size"] // head_dim)
+    return DSparkConfig(
+        hidden_size=t["hidden_size"], num_hidden_layers=num_layers, num_attention_heads=heads,
+        num_key_value_heads=num_kv_heads or max(1, heads // 2), head_dim=head_dim,
+        intermediate_size=intermediate_size or 2 * t["hidden_size"], rms_norm_eps=1e-6,
+        vocab_size=t["vocab_size"], max_position_embeddings=t.get("max_position_embeddings", 4096),
+        rope_theta=10000.0, dtype="bfloat16", block_size=block_size, target_layer_ids=tuple(target_layer_ids),
+        num_target_layers=n_t, mask_token_id=TOKEN_IDS["mask"] if mask_token_id is None else mask_token_id,
+        markov_rank=markov_rank, enable_confidence_head=confidence,
+        confidence_head_with_markov=with_markov and confidence and markov_rank > 0)
+
+
+def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random", bigram: torch.Tensor | None = None,
+                 confidence_by_prev: torch.Tensor | None = None, seed: int = 0, scale: float = 0.05,
+                 legacy_names: bool = False) -> Path:
+    """Save a DSpark drafter in SpecForge's export layout.
+
+    mode ``random``: every weight random (``scale``), the backbone matters.
+    mode ``oracle``: backbone output silenced (final norm 0), Markov head encodes
+    ``bigram``; ``confidence_by_prev`` ([V] probabilities) sets the confidence of
+    each position from its previous token alone.
+    """
+    g = torch.Generator().manual_seed(seed)
+    model = DSparkDraftModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2, generator=g)
+            else:
+                p.normal_(0.0, scale, generator=g)
+        if mode == "oracle":
+            if bigram is None or model.markov_head is None:
+                raise ValueError("oracle mode needs a bigram table and markov_rank > 0")
+            model.norm.weight.zero_()
+            u = _unit_rows(config.vocab_size, config.markov_rank, g)
+            model.markov_head.markov_w1.weight.copy_(u)
+            w2 = torch.zeros(config.vocab_size, config.markov_rank)
+            w2.index_add_(0, bigram, u)  # bias[bigram[x]] gets <u_x, u_x> = 1
+            model.markov_head.markov_w2.weight.copy_(w2 * 8.0)
+            if model.confidence_head is not None:
+                model.confidence_head.proj.weight.zero_()
+                model.confidence_head.proj.bias.fill_(8.0)
+                if confidence_by_prev is not None and config.confidence_head_with_markov:
+                    # logit(c) = v . u_prev with v chosen by least squares over all tokens.
+                    logit = torch.logit(confidence_by_prev.clamp(1e-4, 1 - 1e-4).float())
+                    sol = torch.linalg.lstsq(u, logit[:, None]).solution[:, 0]
+                    model.confidence_head.proj.weight[0, config.hidden_size:] = sol
+                    model.confidence_head.proj.bias.zero_()
+        elif mode != "random":
+            raise ValueError(f"mode {mode!r}: expected 'random' or 'oracle'")
+    state = dict(model.state_dict())
+    out = save_checkpoint(path, config, state)
+    if legacy_names:
+        _rename_to_legacy(out)
+    return out
+
+
+def _rename_to_legacy(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    state = load_file(str(f))
+    renamed = {}
+    for k, v in state.items():
+        if k.startswith("markov_head."):
+            k = "logit_head." + k[len("markov_head."):]
+        elif k.startswith("confidence_head."):
+            k = "logit_head." + k
+        renamed[k] = v
+    save_file(renamed, str(f), metadata={"format": "pt"})
+
+
+def bigram_chain(bigram: torch.Tensor, start: int, n: int) -> list[int]:
+    out, cur = [], int(start)
+    for _ in range(n):
+        cur = int(bigram[cur])
+        out.append(cur)
+    return out
+
+
+def expected_length(conf: list[float], threshold: float) -> int:
+    """Longest prefix whose running product of confidences stays >= threshold."""
+    prod, n = 1.0, 0
+    for c in conf:
+        prod *= c
+        if prod < threshold:
+            break
+        n += 1
+    return n
+
+
+__all__ = ["make_tokenizer", "make_target", "make_drafter", "drafter_config_for", "random_bigram",
+           "bigram_chain", "expected_length", "TOKEN_IDS"]
+
