@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -98,6 +99,21 @@ const GumbelTables& gumbel_tables() {
   return tables;
 }
 
+// Maximum of x[0..n) (NaN entries are ignored). Eight independent lanes so
+// that the compiler vectorises it without reassociating a single chain.
+inline float chunk_max(const float* __restrict x, int64_t n) {
+  float acc[8];
+  for (int u = 0; u < 8; ++u) acc[u] = -kInf;
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    for (int u = 0; u < 8; ++u) acc[u] = x[t + u] > acc[u] ? x[t + u] : acc[u];
+  }
+  for (; t < n; ++t) acc[0] = x[t] > acc[0] ? x[t] : acc[0];
+  float m = acc[0];
+  for (int u = 1; u < 8; ++u) m = acc[u] > m ? acc[u] : m;
+  return m;
+}
+
 template <typename TW>
 inline double dot64(const TW* __restrict w, const double* __restrict e, int64_t n) {
   double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
@@ -128,6 +144,7 @@ struct Args {
   int32_t* out_lengths;
   float* out_logits;  // nullable
   int32_t* out_stats;  // nullable
+  float max_norm;      // max_j norms[j]
   int64_t R, B, V, rank;
 };
 
@@ -177,27 +194,91 @@ struct RowSolver {
     return best_j;
   }
 
-  // Returns the token, or -1 when the candidates overflow (caller goes dense).
-  int64_t pruned(float scale) {
+  // Upper bound of token j's score from its own row norm (phase 2 refinement).
+  inline float refined_ub(int64_t j, float scale, const GumbelTables& tab) const {
+    const float ub = to_f(base[j]) + bias_bound(a.norms[j], scale);
+    if (!sampled) return ub;
+    return sampled_score(ub, T, tab.hi[tab.bucket(token_hash(key, static_cast<uint32_t>(j)))]);
+  }
+
+  // Pruned pick. `uniform_m` >= 0: every token's bias bound is taken as this
+  // one value (the largest row norm; pass 1 then reads only the base logits);
+  // < 0: each token's own bound. Returns the token, or -1 when the candidates
+  // overflow (the caller retries with per-token bounds, then goes dense).
+  int64_t pruned(float scale, float uniform_m) {
     const GumbelTables& tab = gumbel_tables();
+    const bool uniform = uniform_m >= 0.f;
     const float* norms = a.norms;
     int32_t* cand = s.cand.data();
     float* cand_ub = s.cand_ub.data();
     int64_t n = 0;
     float max_lb = -kInf;
     int64_t arg_lb = -1;
+    alignas(64) float bf[kChunk];
     alignas(64) float ub[kChunk];
     alignas(64) float lb[kChunk];
     alignas(64) uint32_t hh[kChunk];
+    auto append = [&](int64_t j, float u) -> bool {
+      if (n == kCandCap) {  // compact with the current (higher) lower bound
+        int64_t w = 0;
+        for (int64_t q = 0; q < n; ++q) {
+          if (cand_ub[q] >= max_lb) {
+            cand[w] = cand[q];
+            cand_ub[w] = cand_ub[q];
+            ++w;
+          }
+        }
+        n = w;
+        if (n > kCandCap / 2) return false;
+      }
+      cand[n] = static_cast<int32_t>(j);
+      cand_ub[n] = u;
+      ++n;
+      return true;
+    };
     for (int64_t c0 = 0; c0 < a.V; c0 += kChunk) {
       const int64_t len = std::min(kChunk, a.V - c0);
-      const TB* b = base + c0;
-      const float* nr = norms + c0;
-      for (int64_t t = 0; t < len; ++t) {
-        const float bf = to_f(b[t]);
-        const float m = bias_bound(nr[t], scale);
-        ub[t] = bf + m;
-        lb[t] = bf - m;
+      const float* x;  // base logits of the chunk as fp32
+      if constexpr (std::is_same_v<TB, float>) {
+        x = base + c0;
+      } else {
+        for (int64_t t = 0; t < len; ++t) bf[t] = to_f(base[c0 + t]);
+        x = bf;
+      }
+      if (uniform && !sampled) {
+        // Greedy with one bound M: lb = x - M and ub = x + M are monotone in x,
+        // so the chunk's maximum decides both.
+        const float cmax = chunk_max(x, len);
+        const float clb = cmax - uniform_m;
+        if (clb > max_lb) {
+          max_lb = clb;
+          for (int64_t t = 0; t < len; ++t) {
+            if (x[t] == cmax) {
+              arg_lb = c0 + t;
+              break;
+            }
+          }
+        }
+        if (cmax + uniform_m >= max_lb) {
+          for (int64_t t = 0; t < len; ++t) {
+            const float u = x[t] + uniform_m;
+            if (u >= max_lb && !append(c0 + t, u)) return -1;
+          }
+        }
+        continue;
+      }
+      if (uniform) {
+        for (int64_t t = 0; t < len; ++t) {
+          ub[t] = x[t] + uniform_m;
+          lb[t] = x[t] - uniform_m;
+        }
+      } else {
+        const float* nr = norms + c0;
+        for (int64_t t = 0; t < len; ++t) {
+          const float m = bias_bound(nr[t], scale);
+          ub[t] = x[t] + m;
+          lb[t] = x[t] - m;
+        }
       }
       if (sampled) {
         for (int64_t t = 0; t < len; ++t) {
@@ -209,11 +290,8 @@ struct RowSolver {
           lb[t] = sampled_score(lb[t], T, tab.lo[k]);
         }
       }
-      float cmax_lb = -kInf, cmax_ub = -kInf;
-      for (int64_t t = 0; t < len; ++t) {
-        cmax_lb = lb[t] > cmax_lb ? lb[t] : cmax_lb;
-        cmax_ub = ub[t] > cmax_ub ? ub[t] : cmax_ub;
-      }
+      const float cmax_lb = chunk_max(lb, len);
+      const float cmax_ub = chunk_max(ub, len);
       if (cmax_lb > max_lb) {
         max_lb = cmax_lb;
         for (int64_t t = 0; t < len; ++t) {
@@ -225,26 +303,12 @@ struct RowSolver {
       }
       if (cmax_ub >= max_lb) {
         for (int64_t t = 0; t < len; ++t) {
-          if (ub[t] >= max_lb) {
-            if (n == kCandCap) {  // compact with the current (higher) lower bound
-              int64_t w = 0;
-              for (int64_t q = 0; q < n; ++q) {
-                if (cand_ub[q] >= max_lb) {
-                  cand[w] = cand[q];
-                  cand_ub[w] = cand_ub[q];
-                  ++w;
-                }
-              }
-              n = w;
-              if (n > kCandCap / 2) return -1;
-            }
-            cand[n] = static_cast<int32_t>(c0 + t);
-            cand_ub[n] = ub[t];
-            ++n;
-          }
+          if (ub[t] >= max_lb && !append(c0 + t, ub[t])) return -1;
         }
       }
     }
+    // Phase 2: exact scores, best lower-bound token first; every other
+    // candidate only if its own (per-token) bound can still beat the best.
     float best_s = -kInf;
     int64_t best_j = std::numeric_limits<int64_t>::max();
     if (arg_lb >= 0) {
@@ -253,7 +317,8 @@ struct RowSolver {
     }
     for (int64_t q = 0; q < n; ++q) {
       const int64_t j = cand[q];
-      if (j == arg_lb || !may_win(cand_ub[q], j, best_s, best_j)) continue;
+      if (j == arg_lb || cand_ub[q] < max_lb) continue;
+      if (!may_win(uniform ? refined_ub(j, scale, tab) : cand_ub[q], j, best_s, best_j)) continue;
       const float sc = exact_score(j);
       if (better(sc, j, best_s, best_j)) {
         best_s = sc;
@@ -287,7 +352,11 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
                              sampled ? T : 1.f, sampled,
                              sampled ? row_key(a.seeds[r], static_cast<int>(i)) : 0u};
     int64_t tok = -1;
-    if (a.out_logits == nullptr) tok = solver.pruned(bound_scale(std::sqrt(en2)));
+    if (a.out_logits == nullptr) {
+      const float scale = bound_scale(std::sqrt(en2));
+      tok = solver.pruned(scale, bias_bound(a.max_norm, scale));  // base logits only
+      if (tok < 0) tok = solver.pruned(scale, -1.f);               // per-token bounds
+    }
     if (tok < 0) {
       solver.n_exact = 0;
       tok = solver.dense(a.out_logits ? a.out_logits + row * a.V : nullptr);
@@ -317,7 +386,9 @@ template <typename TB, typename TW>
 void run_all(const Args& a) {
   (void)gumbel_tables();  // build once, outside the parallel region
   const int64_t R = a.R;
-#pragma omp parallel
+  // One thread per request at most: a batch-1 call stays on the calling thread.
+  const int threads = static_cast<int>(std::min<int64_t>(R, omp_get_max_threads()));
+#pragma omp parallel num_threads(threads) if (threads > 1)
   {
     Scratch s;
     s.cand.resize(kCandCap);
@@ -389,6 +460,9 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   a.out_lengths = out_lengths.data_ptr<int32_t>();
   a.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   a.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
+  float max_norm = 0.f;
+  max_norm = std::max(max_norm, chunk_max(a.norms, sh.vocab));
+  a.max_norm = max_norm;
   a.R = sh.num_reqs;
   a.B = sh.block;
   a.V = sh.vocab;
