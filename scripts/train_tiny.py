@@ -1,0 +1,256 @@
+#!/usr/bin/env python
+"""Regenerate the bundled default pair from scratch: tokenizer, target, DSpark drafter.
+
+    python scripts/train_tiny.py                 # everything, fixed seed
+    python scripts/train_tiny.py --stages target # one stage (earlier ones must exist)
+
+Stages, in order (each reads the previous stages' outputs from --work-dir):
+
+- ``data``: corpus split, tokenizer, held-out prompts;
+- ``target``: train the Qwen3 target and save it (HF layout, bf16);
+- ``generate``: the target's greedy continuations of train-split prompts (the
+  drafter's distillation data: exactly the text it will draft at greedy);
+- ``drafter``: train the DSpark drafter against the target;
+- ``export``: write the drafter in the SpecForge layout and copy both models
+  and the loss curves into ``vllm_dspark/assets/default``.
+
+Everything is seeded; wall time per stage is printed and recorded in
+``<work-dir>/timings.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+STAGES = ("data", "target", "generate", "drafter", "export")
+
+
+def log(msg: str) -> None:
+    print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def stage_data(args, work: Path) -> None:
+    from vllm_dspark.training import corpus
+    from vllm_dspark.training.tokenizer import train_tokenizer
+
+    files = corpus.list_sources()
+    train, held = corpus.split_sources(files)
+    log(f"[data] stdlib {corpus.stdlib_root()}: {len(files)} files, "
+        f"{len(train)} train / {len(held)} held out")
+    (work / "split.json").write_text(json.dumps({
+        "stdlib_root": str(corpus.stdlib_root()),
+        "train": [f.rel_path for f in train], "heldout": [f.rel_path for f in held]},
+        indent=1))
+    train_tokenizer((f.text for f in train), args.vocab_size, work / "tokenizer")
+    prompts = corpus.make_prompts(held, args.num_heldout_prompts, seed=args.seed)
+    corpus.write_jsonl(prompts, work / "prompts_heldout.jsonl")
+    log(f"[data] tokenizer (vocab {args.vocab_size}) and {len(prompts)} held-out prompts written")
+
+
+def _streams(work: Path, tok, eos: int):
+    import numpy as np
+
+    from vllm_dspark.training import corpus
+    from vllm_dspark.training.target import tokenize_documents
+
+    cache = work / "streams.npz"
+    if cache.exists():
+        z = np.load(cache)
+        return z["train"], z["heldout"]
+    split = json.loads((work / "split.json").read_text())
+    files = {f.rel_path: f for f in corpus.list_sources()}
+    train = tokenize_documents(tok, [files[p].text for p in split["train"]], eos)
+    held = tokenize_documents(tok, [files[p].text for p in split["heldout"]], eos)
+    np.savez(cache, train=train, heldout=held)
+    return train, held
+
+
+def stage_target(args, work: Path) -> None:
+    import torch
+
+    from vllm_dspark.training.target import (TargetShape, TargetTrainArgs, build_target,
+                                             save_target, shape_dict)
+    from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(work / "tokenizer")
+    special = special_ids(tok)
+    train, held = _streams(work, tok, special["eos"])
+    log(f"[target] {len(train)} train tokens, {len(held)} held-out tokens")
+    shape = TargetShape(vocab_size=len(tok))
+    model = build_target(shape, special, seed=args.seed)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"[target] Qwen3 {shape_dict(shape)}: {n / 1e6:.2f} M parameters")
+    targs = TargetTrainArgs(steps=args.target_steps, seed=args.seed)
+    curve = train_target_logged(model, train, held, targs)
+    save_target(model, tok, work / "target", special)
+    (work / "target_loss.json").write_text(json.dumps(
+        {"shape": shape_dict(shape), "train_args": vars(targs), "curve": curve}, indent=1))
+    log(f"[target] saved to {work / 'target'}")
+    del torch
+
+
+def stage_generate(args, work: Path) -> None:
+    import pickle
+
+    import torch
+
+    from vllm_dspark.training.capture import generate_distill_set, load_target
+    from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(work / "tokenizer")
+    train, held = _streams(work, tok, special_ids(tok)["eos"])
+    target = load_target(work / "target")
+    kw = dict(batch_size=64, new_tokens=args.gen_tokens, min_prompt=16, max_prompt=96)
+    rows = generate_distill_set(target, train, num_seqs=args.gen_seqs, seed=args.seed, log=log, **kw)
+    eval_rows = generate_distill_set(target, held, num_seqs=32, seed=args.seed + 1, log=log, **kw)
+    with open(work / "distill.pkl", "wb") as fh:
+        pickle.dump({"train": rows, "eval": eval_rows}, fh)
+    n_tok = sum(len(r["ids"]) for r in rows)
+    log(f"[generate] {len(rows)} train sequences ({n_tok} tokens), {len(eval_rows)} eval sequences")
+    del torch
+
+
+def _drafter_config(args, target, tok):
+    from vllm_dspark.training.drafter import build_drafter_config
+    from vllm_dspark.training.tokenizer import special_ids
+
+    n = target.config.num_hidden_layers
+    layer_ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids \
+        else tuple(range(1, n - 1, 2))  # 7 layers -> (1, 3, 5); never the last layer
+    return build_drafter_config(target.config, mask_token_id=special_ids(tok)["mask"],
+                                target_layer_ids=layer_ids, num_hidden_layers=args.draft_layers,
+                                markov_rank=args.markov_rank)
+
+
+def stage_drafter(args, work: Path) -> None:
+    import pickle
+
+    import torch
+
+    from vllm_dspark.training.capture import load_target
+    from vllm_dspark.training.drafter import DrafterTrainArgs, init_drafter, train_drafter
+    from vllm_dspark.training.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(work / "tokenizer")
+    target = load_target(work / "target")
+    with open(work / "distill.pkl", "rb") as fh:
+        data = pickle.load(fh)
+    cfg = _drafter_config(args, target, tok)
+    model = init_drafter(cfg, seed=args.seed)
+    n = sum(p.numel() for p in model.parameters())
+    log(f"[drafter] {cfg.num_hidden_layers} layer(s), markov_rank {cfg.markov_rank}, "
+        f"target_layer_ids {list(cfg.target_layer_ids)}: {n / 1e6:.2f} M parameters")
+    dargs = DrafterTrainArgs(steps=args.drafter_steps, seed=args.seed)
+    curve = train_drafter(model, target, data["train"], data["eval"], dargs, log=log)
+    torch.save({"config": cfg.to_hf_dict(), "state": model.state_dict()}, work / "drafter_fp32.pt")
+    (work / "drafter_loss.json").write_text(json.dumps(
+        {"config": cfg.to_hf_dict(), "train_args": vars(dargs), "curve": curve}, indent=1))
+    log(f"[drafter] saved to {work / 'drafter_fp32.pt'}")
+
+
+def stage_export(args, work: Path) -> None:
+    import torch
+
+    from vllm_dspark.config import DSparkConfig
+    from vllm_dspark.model.reference import DSparkDraftModel
+    from vllm_dspark.training import corpus
+    from vllm_dspark.training.export import export_drafter
+    from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
+
+    tok = load_tokenizer(work / "tokenizer")
+    special = special_ids(tok)
+    ck = torch.load(work / "drafter_fp32.pt")
+    model = DSparkDraftModel(DSparkConfig.from_dict(ck["config"]))
+    model.load_state_dict(ck["state"])
+    assets = args.assets_dir
+    assets.mkdir(parents=True, exist_ok=True)
+    export_drafter(model, assets / "drafter", bos_token_id=special["eos"],
+                   eos_token_id=special["eos"], pad_token_id=special["pad"])
+    if (assets / "target").exists():
+        shutil.rmtree(assets / "target")
+    shutil.copytree(work / "target", assets / "target")
+    shutil.copy(work / "prompts_heldout.jsonl", assets / "prompts_heldout.jsonl")
+    curves = {}
+    for name in ("target", "drafter"):
+        d = json.loads((work / f"{name}_loss.json").read_text())
+        curves[name] = d
+    (assets / "loss_curves.json").write_text(json.dumps(curves, separators=(",", ":")) + "\n")
+    (assets / "train_info.json").write_text(json.dumps({
+        "command": "python scripts/train_tiny.py", "seed": args.seed,
+        "stdlib_root": str(corpus.stdlib_root()),
+        "timings_s": json.loads((work / "timings.json").read_text()),
+    }, indent=1) + "\n")
+    sizes = {p.relative_to(assets).as_posix(): p.stat().st_size
+             for p in sorted(assets.rglob("*")) if p.is_file()}
+    total = sum(sizes.values())
+    log(f"[export] assets in {assets}: {total / 2**20:.1f} MiB")
+    if total > 50 * 10**6:
+        raise RuntimeError(f"shipped artifacts are {total / 1e6:.1f} MB, over the 50 MB budget")
+
+
+def train_target_logged(model, train, held, targs):
+    from vllm_dspark.training.target import train_target
+
+    return train_target(model, train, held, targs, log=log)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "tiny")
+    ap.add_argument("--assets-dir", type=Path,
+                    default=ROOT / "vllm_dspark" / "assets" / "default")
+    ap.add_argument("--stages", default=",".join(STAGES),
+                    help=f"comma-separated subset of {','.join(STAGES)}")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vocab-size", type=int, default=5000)
+    ap.add_argument("--num-heldout-prompts", type=int, default=64)
+    ap.add_argument("--target-steps", type=int, default=240)
+    ap.add_argument("--gen-seqs", type=int, default=2048,
+                    help="greedy target continuations the drafter trains on")
+    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--draft-layers", type=int, default=1)
+    ap.add_argument("--markov-rank", type=int, default=128)
+    ap.add_argument("--target-layer-ids", default="",
+                    help="comma-separated; default every other inner layer")
+    ap.add_argument("--drafter-steps", type=int, default=1500)
+    args = ap.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    work = args.work_dir
+    work.mkdir(parents=True, exist_ok=True)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(stages) - set(STAGES)
+    if unknown:
+        ap.error(f"unknown stages {sorted(unknown)}; expected a subset of {STAGES}")
+    timings_path = work / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    t_all = time.time()
+    for stage in STAGES:
+        if stage not in stages:
+            continue
+        t0 = time.time()
+        log(f"=== stage {stage}")
+        globals()[f"stage_{stage}"](args, work)
+        timings[stage] = round(time.time() - t0, 1)
+        timings_path.write_text(json.dumps(timings, indent=1))
+        log(f"=== stage {stage} done in {timings[stage] / 60:.1f} min")
+    log(f"all requested stages done in {(time.time() - t_all) / 60:.1f} min "
+        f"(per stage: {timings})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

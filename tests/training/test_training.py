@@ -1,0 +1,206 @@
+"""Fast checks of the training pipeline (the training itself does not run in CI)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_dspark.checkpoint import load_reference_model, validate_checkpoint
+from vllm_dspark.training.capture import greedy_generate, target_pass
+from vllm_dspark.training.drafter import (DrafterTrainArgs, build_blocks, build_drafter_config,
+                                          drafter_loss, init_drafter, sample_anchors)
+from vllm_dspark.training.evaluate import simulate_acceptance
+from vllm_dspark.training.export import export_drafter
+
+ASSETS = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "default"
+VOCAB = 111  # odd on purpose
+MASK = 2
+
+
+def tiny_target(seed: int = 0):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256, tie_word_embeddings=True)
+    model = Qwen3ForCausalLM(cfg).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def drafter_config(target):
+    return build_drafter_config(target.config, mask_token_id=MASK, target_layer_ids=(0, 2),
+                                markov_rank=8)
+
+
+def fixed_batch(target, cfg, seed=0, n=2, length=40, anchors=4):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (n, length), generator=gen)
+    tp = target_pass(target, ids, cfg.target_layer_ids)
+    a = sample_anchors([length] * n, [1] * n, anchors, cfg.block_size, gen)
+    return ids, build_blocks(cfg, tp.aux, tp.logits, ids, a), a
+
+
+def test_block_layout(target, drafter_config):
+    """Queries are [anchor, mask x 6]; labels are the target's argmax at p..p+6; prev is shifted."""
+    cfg = drafter_config
+    ids, batch, anchors = fixed_batch(target, cfg)
+    b = cfg.block_size
+    q = batch.query_ids.view(2, -1, b)
+    assert torch.equal(q[:, :, 0], torch.gather(ids, 1, anchors))
+    assert bool((q[:, :, 1:] == MASK).all())
+    tgt = target(input_ids=ids).logits.argmax(-1)
+    for n in range(2):
+        for k, p in enumerate(anchors[n].tolist()):
+            assert torch.equal(batch.labels.view(2, -1, b)[n, k], tgt[n, p:p + b])
+            assert torch.equal(batch.query_positions.view(2, -1, b)[n, k], torch.arange(p, p + b))
+    prev = batch.prev_ids.view(2, -1, b)
+    assert torch.equal(prev[:, :, 0], q[:, :, 0])
+    assert torch.equal(prev[:, :, 1:], batch.labels.view(2, -1, b)[:, :, :-1])
+
+
+def test_packed_blocks_match_single_block_drafting(target, drafter_config):
+    """Training packs many blocks per sequence; each must equal drafting that block alone."""
+    cfg = drafter_config
+    model = init_drafter(cfg, seed=0).eval()
+    torch.nn.init.normal_(model.markov_head.markov_w2.weight, std=0.05)
+    ids, batch, anchors = fixed_batch(target, cfg)
+    embed = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings().weight
+    with torch.no_grad():
+        hidden = model.backbone(batch.aux, batch.ctx_positions, embed[batch.query_ids],
+                                batch.query_positions, batch.mask)
+        logits = model.teacher_forced_logits(hidden, batch.prev_ids, lm_head)
+    b = cfg.block_size
+    for n in range(2):
+        for k, p in enumerate(anchors[n].tolist()):
+            out = model.draft(batch.aux[n:n + 1, :p], torch.tensor([p]), ids[n, p:p + 1], embed, lm_head)
+            rows = slice(k * b, (k + 1) * b)
+            torch.testing.assert_close(out.hidden.float(), hidden[n:n + 1, rows].float(),
+                                       atol=1e-5, rtol=1e-5)
+            # With the labels as previous tokens, the teacher-forced argmax is the
+            # sequential draft wherever all earlier positions agree.
+            agree = (logits[n, rows].argmax(-1) == batch.labels[n, rows]).long().cumprod(0)
+            first = int(agree.sum())
+            assert torch.equal(out.tokens[0, :first + 1 if first < b else b],
+                               logits[n, rows].argmax(-1)[:first + 1 if first < b else b])
+
+
+def test_training_step_reduces_loss(target, drafter_config):
+    cfg = drafter_config
+    model = init_drafter(cfg, seed=0)
+    _, batch, _ = fixed_batch(target, cfg)
+    embed = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings().weight
+    args = DrafterTrainArgs()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    first, _ = drafter_loss(model, batch, embed, lm_head, args)
+    for _ in range(8):
+        loss, metrics = drafter_loss(model, batch, embed, lm_head, args)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    last, metrics = drafter_loss(model, batch, embed, lm_head, args)
+    assert last.item() < 0.8 * first.item(), (first.item(), last.item())
+    assert set(metrics) >= {"ce", "tv", "bce", "tf_accept_len"}
+
+
+def test_target_step_reduces_loss():
+    from vllm_dspark.training.target import TargetTrainArgs, train_target
+
+    model = tiny_target(seed=1)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    model.train()
+    stream = np.tile(np.arange(3, 40, dtype=np.int32), 40)
+    args = TargetTrainArgs(steps=12, batch_size=4, seq_len=32, lr=3e-3, warmup_steps=2,
+                           eval_every=12, eval_batches=1, log_every=1)
+    curve = train_target(model, stream, stream, args, log=lambda *_: None)
+    assert curve[-1]["loss"] < 0.7 * curve[0]["loss"]
+
+
+def test_export_round_trip_and_outputs(tmp_path, target, drafter_config):
+    """The exported BF16 drafter loads back and drafts what the in-memory model drafts."""
+    cfg = drafter_config
+    model = init_drafter(cfg, seed=3)
+    torch.nn.init.normal_(model.markov_head.markov_w2.weight, std=0.05)
+    with torch.no_grad():  # the values a BF16 export can hold (buffers such as RoPE stay fp32)
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    model.eval()
+    path = export_drafter(model, tmp_path / "drafter", bos_token_id=0, eos_token_id=0, pad_token_id=1)
+    d = json.loads((path / "config.json").read_text())
+    assert d["architectures"] == ["DSparkDraftModel"] and d["model_type"] == "qwen3"
+    assert d["dflash_config"]["mask_token_id"] == MASK
+    assert d["dflash_config"]["markov_head_type"] == "vanilla"
+    assert d["num_target_layers"] == 4 and d["block_size"] == 7
+    report = validate_checkpoint(path)
+    assert report.ok, report.problems
+    assert {e.dtype for e in report.tensors.values()} == {"bfloat16"}
+    assert not any(n in report.tensors for n in ("embed_tokens.weight", "lm_head.weight"))
+    loaded = load_reference_model(path).eval()
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, loaded.state_dict()[name]), name
+    ids = torch.randint(3, VOCAB, (2, 30), generator=torch.Generator().manual_seed(0))
+    aux = target_pass(target, ids, cfg.target_layer_ids).aux
+    embed = target.get_input_embeddings().weight
+    lm_head = target.get_output_embeddings().weight
+    ctx = torch.tensor([17, 29])
+    a = model.draft(aux, ctx, ids[torch.arange(2), ctx], embed, lm_head)
+    b = loaded.draft(aux, ctx, ids[torch.arange(2), ctx], embed, lm_head)
+    assert torch.equal(a.tokens, b.tokens)
+    # Same weights; fp32 BLAS may sum in another order for differently laid-out buffers.
+    torch.testing.assert_close(a.confidence, b.confidence, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.base_logits, b.base_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_simulated_acceptance_is_exact_with_an_oracle(target, drafter_config):
+    """The offline simulator counts accepted prefixes correctly (a perfect drafter gets 8)."""
+    cfg = drafter_config
+    chains = [greedy_generate(target, torch.tensor([[5, 6, 7, 8]]), 30)[0]]
+    model = init_drafter(cfg, seed=0).eval()
+
+    class Oracle:
+        config = cfg
+
+        def draft(self, aux, ctx, anchors, embed, lm_head, **kw):
+            out = model.draft(aux, ctx, anchors, embed, lm_head, **kw)
+            out.tokens = torch.stack([chains[0][p + 1:p + 1 + cfg.block_size] for p in ctx.tolist()])
+            return out
+
+    res = simulate_acceptance(target, Oracle(), chains, [4])
+    assert res.mean_acceptance_length == 8.0
+    assert res.per_position == [1.0] * cfg.block_size
+    res = simulate_acceptance(target, model, chains, [4])
+    assert 1.0 <= res.mean_acceptance_length <= 8.0
+
+
+@pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="no bundled drafter")
+def test_bundled_pair_is_consistent():
+    """The shipped drafter validates and fits the shipped target and tokenizer."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    report = validate_checkpoint(ASSETS / "drafter")
+    assert report.ok, report.problems
+    cfg = report.config
+    tcfg = AutoConfig.from_pretrained(str(ASSETS / "target"))
+    tok = AutoTokenizer.from_pretrained(str(ASSETS / "target"))
+    assert cfg.hidden_size == tcfg.hidden_size and cfg.vocab_size == tcfg.vocab_size
+    assert cfg.num_target_layers == tcfg.num_hidden_layers
+    assert max(cfg.target_layer_ids) < tcfg.num_hidden_layers - 1
+    assert tok.convert_ids_to_tokens(cfg.mask_token_id) == "<|mask|>"
+    assert tcfg.head_dim in (32, 64, 80, 96, 112, 128)
+    total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
+    assert total <= 50 * 10**6
