@@ -39,20 +39,30 @@ inline float to_f(c10::Half x) { return static_cast<float>(x); }
 
 // ---------------------------------------------------------------------------
 // Gumbel bound tables. gumbel_exact(h) is increasing in h. For h < 2^31 the
-// buckets are uniform in h (h >> 20); for h >= 2^31 they follow c = ~h = the
-// distance of u from 1 on a log scale (leading bit position and the next 7
-// bits), because there g = -log(-log(u)) ~ -log(1 - u) changes fastest. Each
-// bucket stores the exact noise at its end points, widened by 1e-6 relative.
+// buckets are uniform in h (h >> 20); for h >= 2^31 they follow c = ~h, the
+// distance of u from 1, on a log scale (the exponent and top 7 mantissa bits of
+// fp32(c | 1)), because there g = -log(-log(u)) ~ -log(1 - u) changes fastest.
+// Both maps are monotone, so each bucket is an interval of h; the table holds
+// the exact noise at the interval's ends, widened by 1e-6 relative. The tables
+// are built from the very bucket map used to read them (binary search of the
+// interval ends), so a rounding quirk of the int -> float conversion cannot
+// leave a hash outside its bucket's bounds.
 // ---------------------------------------------------------------------------
 constexpr int kLowBuckets = 2048;
 constexpr int kHighBuckets = 31 * 128;
 
-inline int high_bucket(uint32_t c) {  // c = ~h, h >= 2^31 so c < 2^31
-  const uint32_t x = c | 1u;
-  const int lz = __builtin_clz(x);
-  const int e = 31 - lz;
-  const uint32_t m = ((x << lz) >> 24) & 0x7Fu;
-  return e * 128 + static_cast<int>(m);
+inline int high_bucket(uint32_t c) {  // c = ~h < 2^31; monotone in c
+  const float f = static_cast<float>(static_cast<int32_t>(c | 1u));
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  return static_cast<int>(bits >> 16) - (127 << 7);  // [0, 31 * 128)
+}
+
+inline int bucket_of(uint32_t h) {  // branch-free, vectorisable
+  const int low = static_cast<int>(h >> 20);
+  const int high = kLowBuckets + high_bucket(~h);
+  const int mask = static_cast<int32_t>(h) >> 31;  // -1 for the high half
+  return (low & ~mask) | (high & mask);
 }
 
 struct GumbelTables {
@@ -68,30 +78,30 @@ struct GumbelTables {
       lo[b] = widen(gumbel_exact(h0), -1.f);
       hi[b] = widen(gumbel_exact(h1), +1.f);
     }
-    for (int k = 0; k < kHighBuckets; ++k) {
-      lo[kLowBuckets + k] = kInf;
-      hi[kLowBuckets + k] = -kInf;
-    }
-    auto cover = [&](uint32_t c) {  // the noise at h = ~c belongs to its bucket
-      const int k = kLowBuckets + high_bucket(c);
-      const float g = gumbel_exact(~c);
-      lo[k] = std::min(lo[k], widen(g, -1.f));
-      hi[k] = std::max(hi[k], widen(g, +1.f));
-    };
-    for (uint32_t c = 0; c < 256; ++c) cover(c);
-    for (int e = 8; e <= 30; ++e) {
-      for (uint32_t m = 0; m < 128; ++m) {
-        const uint64_t c0 = static_cast<uint64_t>(128 + m) << (e - 7);
-        const uint64_t c1 = (static_cast<uint64_t>(129 + m) << (e - 7)) - 1;
-        cover(static_cast<uint32_t>(c0));  // g decreases in c: the end points bound it
-        cover(static_cast<uint32_t>(c1));
+    // High half: bucket k holds c in [first(k), first(k + 1)), g decreasing in c.
+    auto first = [](int k) -> uint64_t {  // smallest c < 2^31 with high_bucket(c) >= k
+      uint64_t lo_c = 0, hi_c = 0x80000000ull;
+      while (lo_c < hi_c) {
+        const uint64_t mid = (lo_c + hi_c) / 2;
+        if (high_bucket(static_cast<uint32_t>(mid)) >= k) hi_c = mid; else lo_c = mid + 1;
       }
+      return lo_c;
+    };
+    uint64_t c0 = first(0);
+    for (int k = 0; k < kHighBuckets; ++k) {
+      const uint64_t c1 = first(k + 1);
+      if (c1 > c0) {
+        hi[kLowBuckets + k] = widen(gumbel_exact(~static_cast<uint32_t>(c0)), +1.f);
+        lo[kLowBuckets + k] = widen(gumbel_exact(~static_cast<uint32_t>(c1 - 1)), -1.f);
+      } else {  // empty bucket, never read
+        hi[kLowBuckets + k] = kInf;
+        lo[kLowBuckets + k] = -kInf;
+      }
+      c0 = c1;
     }
   }
 
-  inline int bucket(uint32_t h) const {
-    return h < 0x80000000u ? static_cast<int>(h >> 20) : kLowBuckets + high_bucket(~h);
-  }
+  inline int bucket(uint32_t h) const { return bucket_of(h); }
 };
 
 const GumbelTables& gumbel_tables() {
@@ -218,6 +228,8 @@ struct RowSolver {
     alignas(64) float ub[kChunk];
     alignas(64) float lb[kChunk];
     alignas(64) uint32_t hh[kChunk];
+    alignas(64) float ghi[kChunk];
+    alignas(64) float glo[kChunk];
     auto append = [&](int64_t j, float u) -> bool {
       if (n == kCandCap) {  // compact with the current (higher) lower bound
         int64_t w = 0;
@@ -282,12 +294,15 @@ struct RowSolver {
       }
       if (sampled) {
         for (int64_t t = 0; t < len; ++t) {
-          hh[t] = token_hash(key, static_cast<uint32_t>(c0 + t));
+          hh[t] = static_cast<uint32_t>(bucket_of(token_hash(key, static_cast<uint32_t>(c0 + t))));
+        }
+        for (int64_t t = 0; t < len; ++t) {  // gathers
+          ghi[t] = tab.hi[hh[t]];
+          glo[t] = tab.lo[hh[t]];
         }
         for (int64_t t = 0; t < len; ++t) {
-          const int k = tab.bucket(hh[t]);
-          ub[t] = sampled_score(ub[t], T, tab.hi[k]);
-          lb[t] = sampled_score(lb[t], T, tab.lo[k]);
+          ub[t] = sampled_score(ub[t], T, ghi[t]);
+          lb[t] = sampled_score(lb[t], T, glo[t]);
         }
       }
       const float cmax_lb = chunk_max(lb, len);
