@@ -13,16 +13,8 @@ must have been loaded by vLLM inside each Ray worker actor.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,84 +23,14 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
 
-from vllm_dspark.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE  # noqa: E402
-
-VOCAB = 384
 PROMPTS = ["hello world", "The quick brown fox", "abc", "0123456789"]
 MAX_TOKENS = 32
 K3_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
-ENGINE_ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",          # GiB per worker; the default is far more than needed
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # auto-binding wants one NUMA node per TP rank
-    "OMP_NUM_THREADS": "1",
-    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc(probe_worker) pickles a function
-}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
-
-    base = tmp_path_factory.mktemp("ray_tp")
-    bigram = random_bigram(VOCAB, seed=3)
-    target = make_target(base / "target", vocab_size=VOCAB, num_heads=4, num_kv_heads=2, head_dim=64,
-                         num_layers=4, bigram=bigram, dtype=torch.float32)
-    draft_bigram = bigram.clone()
-    wrong = torch.arange(0, VOCAB, 4)  # a quarter of the drafter's table is wrong
-    draft_bigram[wrong] = (bigram[wrong] + 1) % 256
-    cfg = drafter_config_for(target)
-    draft = make_drafter(base / "draft", cfg, mode="oracle", bigram=draft_bigram)
-    return {"target": str(target), "draft": str(draft)}
-
-
-@pytest.fixture(scope="module")
-def ray_head():
-    """``ray start --head --block`` in its own session; killed (that session only) afterwards."""
-    port = _free_port()
-    temp_dir = tempfile.mkdtemp(prefix="rdsp_", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    assert ray_bin, "the `ray` command is missing; pip install 'ray[default]==2.60.0'"
-    log = open(Path(temp_dir) / "head.log", "w")
-    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--num-cpus", "2", "--resources", json.dumps({RAY_CPU_TEST_RESOURCE: 2}),
-           "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ray start exited with {proc.returncode}: "
-                                   f"{(Path(temp_dir) / 'head.log').read_text()[-3000:]}")
-            r = subprocess.run([ray_bin, "status", "--address", address], capture_output=True, text=True)
-            if r.returncode == 0 and RAY_CPU_TEST_RESOURCE in r.stdout:
-                break
-            if time.time() > deadline:
-                raise RuntimeError(f"Ray head at {address} not up after 120 s: {r.stdout[-2000:]}{r.stderr[-2000:]}")
-            time.sleep(2)
-        yield address
-    finally:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # the head's children share its session; make sure none outlives the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+def models(tiny_models, engine_env):
+    return {**tiny_models, "env": engine_env}
 
 
 def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
@@ -121,7 +43,9 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
                           if spec else None)
     t0 = time.time()
     with llm_engine(models["target"], speculative_config=speculative_config,
-                    env={**ENGINE_ENV, **(extra_env or {})}, tensor_parallel_size=2,
+                    env={**models["env"], "OMP_NUM_THREADS": "1",
+                         # collective_rpc(probe_worker) pickles a function
+                         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(extra_env or {})}, tensor_parallel_size=2,
                     distributed_executor_backend=backend, dtype="float32", max_model_len=512,
                     max_num_seqs=8) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))

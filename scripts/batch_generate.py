@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Offline batch generation with vLLM and a DSpark drafter: JSONL prompts in, JSONL results out.
+
+Resumable (rerun the same command after a crash), with a progress bar, and a
+data-parallel mode over several replicas on a Ray cluster. The file formats
+and the resume rules are in ``vllm_dspark/deploy/batch.py``; the commands are
+in ``docs/deployment.md``.
+
+    python scripts/batch_generate.py --model TARGET --draft DRAFT \\
+        --input prompts.jsonl --output results.jsonl [--tp 8] [--data-parallel 2]
+"""
+
+import sys
+
+from vllm_dspark.deploy.batch import main
+
+if __name__ == "__main__":
+    sys.exit(main())

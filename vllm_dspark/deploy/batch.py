@@ -1,0 +1,423 @@
+"""Offline batch generation over a JSONL file of prompts, resumable, optionally data-parallel on Ray.
+
+Used by ``scripts/batch_generate.py`` (see ``docs/deployment.md``).
+
+Input: one JSON object per line with an ``id`` (any JSON scalar, unique in the
+file; a missing id becomes ``line-<n>``, n the 1-based line number) and either
+``prompt`` (text) or ``prompt_token_ids`` (list of ints). An optional
+``sampling`` object overrides the command-line sampling for that line
+(``{"max_tokens": 64}``).
+
+Output: one JSON object per finished prompt, in completion order::
+
+    {"id": ..., "text": ..., "token_ids": [...], "finish_reason": "length",
+     "prompt_tokens": 12, "completion_tokens": 256}
+
+(plus ``"replica": k`` in data-parallel mode). Each result is appended and
+flushed the moment its request finishes (the loop drives the ``LLM``'s engine
+the way ``LLM.generate`` does, but writes each request as it completes instead
+of waiting for the whole batch), and fsynced at least once a second.
+
+Resume: a rerun with the same output file skips every id already in it. A
+crash can leave at most one torn last line (a record written only in part); it
+is cut off, and its prompt is generated again. A malformed line anywhere else
+means the file was edited or is not ours: the run stops and says which line.
+Sampled runs (temperature > 0) seed each request from ``--seed`` and its id,
+so a redone prompt gets the same tokens it would have got the first time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# Environment the driver passes on to data-parallel replicas (per-node ones excluded).
+FORWARD_ENV_PREFIXES = ("VLLM_", "OMP_", "NCCL_", "HF_", "TRANSFORMERS_", "RAY_")
+PER_NODE_ENV = {"VLLM_HOST_IP", "CUDA_VISIBLE_DEVICES", "RAY_ADDRESS"}
+
+
+class BatchInputError(ValueError):
+    """The prompts file or the existing results file cannot be used."""
+
+
+# ------------------------------------------------------------------------- input / output files
+def read_prompts(path: str | Path) -> list[dict]:
+    """Parse the prompts JSONL; every problem names the line and the fix."""
+    path = Path(path)
+    if not path.is_file():
+        raise BatchInputError(f"prompts file {path}: not found")
+    records, seen = [], {}
+    with path.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise BatchInputError(f"{path}:{n}: not valid JSON ({exc})") from None
+            if not isinstance(obj, dict):
+                raise BatchInputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
+            rid = obj.get("id", f"line-{n}")
+            if not isinstance(rid, (str, int, float, bool)) and rid is not None:
+                raise BatchInputError(f"{path}:{n}: id must be a string or number, got {rid!r}")
+            key = id_key(rid)
+            if key in seen:
+                raise BatchInputError(f"{path}:{n}: id {rid!r} already used on line {seen[key]}; ids must "
+                                      "be unique (results are matched to prompts by id)")
+            seen[key] = n
+            if "prompt" in obj and not isinstance(obj["prompt"], str):
+                raise BatchInputError(f"{path}:{n}: prompt must be a string")
+            if "prompt" not in obj and not (isinstance(obj.get("prompt_token_ids"), list)
+                                            and all(isinstance(t, int) for t in obj["prompt_token_ids"])):
+                raise BatchInputError(f"{path}:{n}: needs \"prompt\" (text) or \"prompt_token_ids\" (list of ints)")
+            if "sampling" in obj and not isinstance(obj["sampling"], dict):
+                raise BatchInputError(f"{path}:{n}: sampling must be an object of SamplingParams fields")
+            records.append({**obj, "id": rid})
+    return records
+
+
+def id_key(rid: Any) -> str:
+    """Ids compare by their JSON text, so 1 and "1" stay different."""
+    return json.dumps(rid, sort_keys=True)
+
+
+def load_done(path: str | Path, *, repair: bool = True) -> tuple[dict[str, dict], str | None]:
+    """Results already in ``path``: ``({id_key: record}, note)``.
+
+    A torn last line (no newline, or not JSON) is cut off when ``repair`` is
+    true; ``note`` then says so. A bad line before the last one raises.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {}, None
+    data = path.read_bytes()
+    body, newline, tail = data.rpartition(b"\n")
+    lines = body.split(b"\n") if newline else []
+    if not newline:
+        tail = data
+    done: dict[str, dict] = {}
+    note = None
+    good_end = 0  # byte offset just past the last good line
+
+    def torn(nbytes: int) -> str:
+        return (f"{path}: cut off a torn last line ({nbytes} bytes, left by an interrupted run); "
+                "its prompt will be generated again")
+
+    for n, raw in enumerate(lines, 1):
+        if raw.strip():
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                obj = None
+            if not (isinstance(obj, dict) and "id" in obj):
+                if n == len(lines) and not tail.strip():
+                    note = torn(len(raw) + 1)  # a newline-terminated but incomplete last record
+                    break
+                raise BatchInputError(f"{path}:{n}: not a result record; the results file was edited or is "
+                                      "not from this script. Fix or remove that line, or write to a new file")
+            done.setdefault(id_key(obj["id"]), obj)
+        good_end += len(raw) + 1
+    else:
+        if tail.strip():
+            note = torn(len(tail))
+    if note and repair:
+        with path.open("r+b") as f:
+            f.truncate(good_end)
+            f.flush()
+            os.fsync(f.fileno())
+    return done, note
+
+
+class ResultWriter:
+    """Append-only JSONL writer: one ``write`` per record, flushed at once, fsynced once a second."""
+
+    def __init__(self, path: str | Path, fsync_interval: float = 1.0):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("ab")
+        self._fsync_interval = fsync_interval
+        self._last_sync = time.monotonic()
+
+    def write(self, record: dict) -> None:
+        # One write call per line, so a crash tears at most the line being written.
+        self._f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
+        self._f.flush()
+        if time.monotonic() - self._last_sync >= self._fsync_interval:
+            os.fsync(self._f.fileno())
+            self._last_sync = time.monotonic()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+    def __enter__(self) -> "ResultWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ------------------------------------------------------------------------- generation
+@dataclass
+class SamplingDefaults:
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    ignore_eos: bool = False
+
+    def params_for(self, record: dict):
+        from vllm import SamplingParams
+
+        kw: dict[str, Any] = dict(max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+                                  ignore_eos=self.ignore_eos)
+        kw.update(record.get("sampling") or {})
+        if kw.get("temperature", 0) > 0 and "seed" not in kw:
+            # Stable per-request seed: a redone prompt draws the same tokens.
+            digest = hashlib.sha256(f"{self.seed}:{id_key(record['id'])}".encode()).digest()
+            kw["seed"] = int.from_bytes(digest[:4], "little")
+        return SamplingParams(**kw)
+
+
+def _prompt_of(record: dict) -> Any:
+    if "prompt" in record:
+        return record["prompt"]
+    return {"prompt_token_ids": list(record["prompt_token_ids"])}
+
+
+def _result(record: dict, out: Any) -> dict:
+    c = out.outputs[0]
+    return {"id": record["id"], "text": c.text, "token_ids": list(c.token_ids),
+            "finish_reason": c.finish_reason, "prompt_tokens": len(out.prompt_token_ids or []),
+            "completion_tokens": len(c.token_ids)}
+
+
+def generate_stream(llm: Any, records: Iterable[dict], sampling: SamplingDefaults, *,
+                    max_in_flight: int = 256) -> Iterator[dict]:
+    """Yield one result per record as soon as its request finishes.
+
+    Drives ``llm.llm_engine`` exactly as ``LLM.generate`` does (add requests,
+    ``step()`` until none is unfinished), keeping at most ``max_in_flight``
+    requests queued so memory stays bounded on large files.
+    """
+    engine = llm.llm_engine
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the LLM already has unfinished requests; use a fresh LLM for a batch job")
+    pending = iter(records)
+    in_flight: dict[str, dict] = {}
+    counter = 0
+
+    def feed() -> None:
+        nonlocal counter
+        while len(in_flight) < max_in_flight:
+            rec = next(pending, None)
+            if rec is None:
+                return
+            rid = f"batch-{counter}"
+            counter += 1
+            engine.add_request(rid, _prompt_of(rec), sampling.params_for(rec))
+            in_flight[rid] = rec
+
+    feed()
+    while in_flight:
+        for out in engine.step():
+            if not out.finished:
+                continue
+            rid = out.request_id
+            if rid not in in_flight:  # engines that append a suffix to the caller's id
+                rid = rid.rsplit("-", 1)[0]
+            yield _result(in_flight.pop(rid), out)
+        feed()
+        if in_flight and not engine.has_unfinished_requests():
+            raise RuntimeError(f"the engine finished with {len(in_flight)} requests unanswered "
+                               f"(e.g. {next(iter(in_flight.values()))['id']!r})")
+
+
+def _progress(total: int, initial: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit="prompt", dynamic_ncols=True, file=sys.stderr)
+
+
+# ------------------------------------------------------------------------- data parallel on Ray
+class _Replica:
+    """One data-parallel replica: a Ray actor owning a whole LLM (its own TP group)."""
+
+    def __init__(self, rank: int, llm_kwargs: dict, env: dict[str, str]):
+        os.environ.update(env)
+        from vllm import LLM
+
+        self.rank = rank
+        self.llm = LLM(**llm_kwargs)
+
+    def run(self, records: list[dict], sampling: SamplingDefaults, max_in_flight: int):
+        for res in generate_stream(self.llm, records, sampling, max_in_flight=max_in_flight):
+            res["replica"] = self.rank
+            yield res
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k.startswith(FORWARD_ENV_PREFIXES) and k not in PER_NODE_ENV}
+
+
+def run_data_parallel(todo: list[dict], writer: ResultWriter, *, replicas: int, llm_kwargs: dict,
+                      sampling: SamplingDefaults, resources: dict[str, float], num_cpus: float,
+                      max_in_flight: int, ray_address: str | None, pbar: Any) -> list[str]:
+    """Spread ``todo`` round-robin over ``replicas`` Ray actors; write results as they arrive.
+
+    Returns the error message of every replica that failed (results of the
+    others, and what the failed one finished, are kept).
+    """
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, log_to_driver=True)
+    res = dict(resources)
+    num_gpus = res.pop("GPU", 0)
+    actor_cls = ray.remote(_Replica).options(num_cpus=num_cpus, num_gpus=num_gpus, resources=res or None)
+    shards = [todo[i::replicas] for i in range(replicas)]
+    actors = [actor_cls.remote(r, llm_kwargs, forwarded_env()) for r in range(replicas) if shards[r]]
+    q: queue.Queue = queue.Queue()
+
+    def pump(rank: int, actor: Any, shard: list[dict]) -> None:
+        try:
+            for ref in actor.run.options(num_returns="streaming").remote(shard, sampling, max_in_flight):
+                q.put(("result", ray.get(ref)))
+        except Exception as exc:  # noqa: BLE001 - reported to the user below
+            q.put(("error", f"replica {rank}: {type(exc).__name__}: {exc}"))
+        finally:
+            q.put(("done", rank))
+
+    threads = [threading.Thread(target=pump, args=(r, a, shards[r]), daemon=True)
+               for r, a in enumerate(actors)]
+    for t in threads:
+        t.start()
+    errors, running = [], len(threads)
+    while running:
+        kind, payload = q.get()
+        if kind == "result":
+            writer.write(payload)
+            pbar.update(1)
+        elif kind == "error":
+            errors.append(payload)
+        else:
+            running -= 1
+    for a in actors:
+        ray.kill(a)
+    return errors
+
+
+# ------------------------------------------------------------------------- command line
+def build_parser():
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="batch_generate.py",
+        description="Generate completions for a JSONL file of prompts with vLLM and a DSpark drafter. "
+                    "Results are appended to OUTPUT as each prompt finishes; rerun the same command to "
+                    "resume after a crash (finished ids are skipped).")
+    p.add_argument("--model", required=True, help="target model directory or name")
+    p.add_argument("--draft", default=None, help="DSpark drafter checkpoint directory (omit: no speculation)")
+    p.add_argument("--num-speculative-tokens", type=int, default=7, help="draft tokens per step (default 7)")
+    p.add_argument("--input", required=True, help="prompts JSONL (id + prompt or prompt_token_ids per line)")
+    p.add_argument("--output", required=True, help="results JSONL (appended to; resumable)")
+    p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="TP size of each replica")
+    p.add_argument("--data-parallel", type=int, default=1,
+                   help="replicas; > 1 runs each replica as a Ray actor on the Ray cluster")
+    p.add_argument("--ray-address", default=None, help="Ray cluster to attach to (default: RAY_ADDRESS / auto)")
+    p.add_argument("--replica-resources", default=None,
+                   help='Ray resources per replica as JSON (default: {"GPU": TP})')
+    p.add_argument("--replica-cpus", type=float, default=1, help="Ray CPUs per replica (default 1)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed; each request's seed derives from it and its id")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=None)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-in-flight", type=int, default=256,
+                   help="requests queued in the engine at once (bounds memory; default 256)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the file")
+    return p
+
+
+def llm_kwargs_from(args) -> dict:
+    kw: dict[str, Any] = dict(model=args.model, tensor_parallel_size=args.tensor_parallel_size, dtype=args.dtype,
+                              enforce_eager=args.enforce_eager, seed=args.seed)
+    if args.draft:
+        kw["speculative_config"] = {"method": "dspark", "model": args.draft,
+                                    "num_speculative_tokens": args.num_speculative_tokens}
+    if args.max_model_len:
+        kw["max_model_len"] = args.max_model_len
+    if args.max_num_seqs:
+        kw["max_num_seqs"] = args.max_num_seqs
+    return kw
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    err = lambda msg: print(f"batch_generate: {msg}", file=sys.stderr)  # noqa: E731
+    try:
+        records = read_prompts(args.input)
+        done, note = load_done(args.output)
+    except BatchInputError as exc:
+        err(str(exc))
+        return 2
+    if note:
+        err(note)
+    if args.limit is not None:
+        records = records[:args.limit]
+    todo = [r for r in records if id_key(r["id"]) not in done]
+    finished = len(records) - len(todo)
+    stray = len(set(done) - {id_key(r["id"]) for r in records})
+    err(f"{len(records)} prompts, {finished} already in {args.output}, {len(todo)} to generate"
+        + (f" ({stray} results in the output have no prompt in the input)" if stray else ""))
+    if not todo:
+        return 0
+    sampling = SamplingDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+    kw = llm_kwargs_from(args)
+    llm = None
+    if args.data_parallel <= 1:
+        from vllm import LLM
+
+        llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
+    with ResultWriter(args.output) as writer:
+        pbar = _progress(len(records), finished, "prompts")
+        try:
+            if llm is None:
+                resources = (json.loads(args.replica_resources) if args.replica_resources
+                             else {"GPU": args.tensor_parallel_size})
+                errors = run_data_parallel(todo, writer, replicas=args.data_parallel, llm_kwargs=kw,
+                                           sampling=sampling, resources=resources, num_cpus=args.replica_cpus,
+                                           max_in_flight=args.max_in_flight, ray_address=args.ray_address,
+                                           pbar=pbar)
+            else:
+                for res in generate_stream(llm, todo, sampling, max_in_flight=args.max_in_flight):
+                    writer.write(res)
+                    pbar.update(1)
+                errors = []
+        finally:
+            pbar.close()
+    if errors:
+        for e in errors:
+            err(e)
+        err(f"{len(errors)} replica(s) failed; every finished result is in {args.output}. "
+            "Rerun the same command to generate the rest.")
+        return 1
+    return 0
