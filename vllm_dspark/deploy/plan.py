@@ -262,7 +262,9 @@ def _explain(draft: DSparkConfig, t: dict[str, Any], inp: PlanInputs, win: int) 
         f"drafter attends to every context token, so without a window it grows with the context. With a "
         f"{inp.window}-token window (its trained context is {draft.max_position_embeddings}) it holds "
         f"{win} tokens. KV heads split over TP ({_kv_heads_per_rank(draft.num_key_value_heads, inp.tp)} "
-        "per GPU). It lives on the last pipeline stage, where vLLM runs the proposer.",
+        "per GPU). It lives on the last pipeline stage, where vLLM runs the proposer. A drafter config "
+        "without a window (no dflash_config.use_swa / swa_window_size, as the K3 drafter ships) is served "
+        "with the full context: use the figures without a window for it.",
     ]
     if t["mla_layers"]:
         lines.append(
