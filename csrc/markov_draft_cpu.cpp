@@ -376,6 +376,7 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
       solver.n_exact = 0;
       tok = solver.dense(a.out_logits ? a.out_logits + row * a.V : nullptr);
     }
+    if (tok < 0 || tok >= a.V) tok = 0;  // only NaN logits leave no winner
     a.out_tokens[row] = tok;
     if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(solver.n_exact);
 

@@ -36,8 +36,8 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
       temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats);
   TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
-  TORCH_CHECK(sh.rank * 4 <= 40 * 1024, "markov_draft: rank ", sh.rank,
-              " is too large for the CUDA kernel (at most 10240)");
+  TORCH_CHECK(sh.rank <= 8192, "markov_draft: rank ", sh.rank,
+              " is too large for the CUDA kernel (at most 8192)");
   TORCH_CHECK(sh.num_reqs <= 65535, "markov_draft: at most 65535 requests per call");
   for (const auto* t : {&conf_base, &conf_w_markov}) {
     if (t->has_value()) {

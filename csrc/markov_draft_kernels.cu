@@ -32,7 +32,7 @@ constexpr int kCandCap = 2048;
 constexpr int kPickThreads = 1024;
 constexpr int kLogitThreads = 256;
 constexpr int kLogitTokensPerBlock = 256;
-constexpr size_t kMaxDynamicSmem = 40 * 1024;  // e (fp32 [rank]) must fit
+constexpr size_t kMaxDynamicSmem = 32 * 1024;  // e (fp32 [rank]); + ~9 KB static < 48 KB
 
 __device__ __forceinline__ float ld(const float* p, int64_t i) { return p[i]; }
 __device__ __forceinline__ float ld(const __nv_bfloat16* p, int64_t i) {
@@ -239,6 +239,8 @@ __global__ void __launch_bounds__(kThreads) markov_pruned_kernel(MarkovDraftPara
     best = block_best<kThreads>(best, red);
 
     if (tid == 0) {
+      // Only NaN logits leave no candidate; keep the next row's read in bounds.
+      if (best.j < 0 || best.j >= p.V) best.j = 0;
       p.out_tokens[row] = best.j;
       if (p.out_stats != nullptr) p.out_stats[row] = static_cast<int32_t>(count);
       const float c = position_conf(p, row, cd);
@@ -310,6 +312,7 @@ __global__ void __launch_bounds__(kPickThreads) markov_pick_kernel(MarkovDraftPa
   }
   cd = block_sum<kPickThreads>(cd, red);
   if (threadIdx.x == 0) {
+    if (best.j < 0 || best.j >= p.V) best.j = 0;  // NaN logits only
     p.out_tokens[row] = best.j;
     if (p.out_stats != nullptr) p.out_stats[row] = static_cast<int32_t>(p.V);
     p.out_conf[row] = position_conf(p, row, cd);
