@@ -122,6 +122,18 @@ def test_op_matches_reference_k3_vocab(dtype, mode, peaky):
     assert int(out.stats.max()) < K3_VOCAB // 100, out.stats
 
 
+@pytest.mark.parametrize("base_dtype,w_dtype", [
+    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+    (torch.bfloat16, torch.float32)], ids=["fp16", "fp32-base-bf16-w", "bf16-base-fp32-w"])
+def test_op_other_dtype_pairs(base_dtype, w_dtype):
+    case = make_case(3, 7, 2000, 32, seed=15)
+    case["base_logits"] = case["base_logits"].to(base_dtype)
+    case["markov_w1"] = case["markov_w1"].to(w_dtype)
+    case["markov_w2"] = case["markov_w2"].to(w_dtype)
+    temp = temperatures(3, "mixed")
+    assert_matches(run_op(case, temp, 0.5), run_ref(case, temp, 0.5))
+
+
 def test_op_matches_reference_k3_vocab_rank1():
     case = make_case(3, 7, K3_VOCAB, 1, seed=5)
     temp = temperatures(3, "mixed")
