@@ -195,3 +195,14 @@ def test_env_switch_from_a_vllm_like_config(k3_draft):
     env: dict[str, str] = {}
     assert compat.ensure_for_vllm_config(vc, environ=env) == "set" and env[ENV] == "1"
     assert compat.ensure_for_vllm_config(NS(speculative_config=None), environ={}) == "not-needed"
+
+
+def test_accepts_vllms_own_k3_config_object(k3_draft):
+    # The plugin passes vLLM's hf_config (a PretrainedConfig), not a path.
+    kimi_k3 = pytest.importorskip("vllm.transformers_utils.configs.kimi_k3")
+    t = json.loads(TARGET_K3.read_text())
+    hf = kimi_k3.KimiK3Config(text_config=t["text_config"], architectures=t["architectures"])
+    rep = compat.check_target_compat(k3_draft, hf, environ={})
+    assert rep.ok and rep.kimi_k3 and rep.target_num_hidden_layers == 93, rep.problems
+    env: dict[str, str] = {}
+    assert compat.ensure_k3_aux_attn_res_stream(hf, k3_draft, environ=env) == "set" and env[ENV] == "1"
