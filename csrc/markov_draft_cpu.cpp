@@ -3,14 +3,16 @@
 // header the CUDA kernels use.
 //
 // Per (request, position) row, instead of the V x rank Markov matvec:
-//   1. one streaming pass over the vocabulary computes for every token an upper
-//      and a lower bound of its score from base_j and ||w2_j|| * ||e|| (plus,
-//      when sampling, table bounds of its Gumbel noise), keeps the running
-//      maximum lower bound and collects the tokens whose upper bound reaches it;
-//   2. exact scores (fp64 dot products, exact noise) are computed only for those
-//      candidates, skipping any whose bound falls below the best exact score.
-// A row whose candidates overflow kCandCap, and every row when out_logits is
-// requested, is computed densely instead.
+//   1. one streaming pass over the vocabulary bounds every token's score by
+//      base_j +- M (plus, when sampling, table bounds of its Gumbel noise),
+//      keeps the running maximum lower bound and collects the tokens whose
+//      upper bound reaches it. Tier 1 takes M from the largest row norm, so the
+//      pass reads only the base logits; if its candidates overflow, tier 2
+//      repeats the pass with each token's own norm;
+//   2. exact scores (fp64 dot products, exact noise) are computed only for the
+//      candidates whose own bound can still beat the best exact score so far.
+// A row whose tier-2 candidates overflow kCandCap, and every row when
+// out_logits is requested, is computed densely instead.
 #include <omp.h>
 
 #include <algorithm>
