@@ -111,6 +111,20 @@ const GumbelTables& gumbel_tables() {
   return tables;
 }
 
+// fp32 copies of a chunk of 16-bit logits. bf16 is the top half of an fp32,
+// so a shift widens it exactly (and vectorises); fp16 goes through c10.
+inline void widen_chunk(const c10::BFloat16* __restrict in, float* __restrict out, int64_t n) {
+  static_assert(sizeof(c10::BFloat16) == sizeof(uint16_t), "bf16 is 16 bits");
+  alignas(64) uint16_t raw[kChunk];
+  alignas(64) uint32_t bits[kChunk];
+  std::memcpy(raw, in, static_cast<size_t>(n) * sizeof(uint16_t));  // n <= kChunk
+  for (int64_t t = 0; t < n; ++t) bits[t] = static_cast<uint32_t>(raw[t]) << 16;
+  std::memcpy(out, bits, static_cast<size_t>(n) * sizeof(float));
+}
+inline void widen_chunk(const c10::Half* __restrict in, float* __restrict out, int64_t n) {
+  for (int64_t t = 0; t < n; ++t) out[t] = static_cast<float>(in[t]);
+}
+
 // Maximum of x[0..n) (NaN entries are ignored). Eight independent lanes so
 // that the compiler vectorises it without reassociating a single chain.
 inline float chunk_max(const float* __restrict x, int64_t n) {
@@ -256,7 +270,7 @@ struct RowSolver {
       if constexpr (std::is_same_v<TB, float>) {
         x = base + c0;
       } else {
-        for (int64_t t = 0; t < len; ++t) bf[t] = to_f(base[c0 + t]);
+        widen_chunk(base + c0, bf, len);
         x = bf;
       }
       if (uniform && !sampled) {
