@@ -78,7 +78,7 @@ setup(
         # CUDA build of vLLM with the native V2 DSpark path and the
         # sample_sequential hook.
         "gpu": ["vllm>=0.33.0,<0.34"],
-        "ray": ["ray[default]>=2.40"],
+        "ray": ["ray==2.60.0"],
         "train": ["tokenizers", "transformers"],
         "bench": ["matplotlib"],
         "test": ["pytest", "pytest-timeout", "openai"],

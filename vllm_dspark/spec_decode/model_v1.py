@@ -15,12 +15,49 @@ with Markov and confidence heads) plus what the V1 proposer needs:
 
 from __future__ import annotations
 
+import functools
+import logging
+import types
 from collections.abc import Iterable
 
 import torch
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_dspark.checkpoint.io import canonical_name
+
+logger = logging.getLogger("vllm_dspark")
+
+
+@functools.lru_cache(maxsize=1)
+def _grouped_rms_norm_broken() -> str | None:
+    """Why vLLM's grouped RMSNorm (one weight row per draft layer) can't be used here, or None.
+
+    The DFlash context-KV precompute normalises the keys of all draft layers in
+    one ``ops.rms_norm`` call with a [layers, head_dim] weight. vLLM 0.32's CPU
+    kernel applies the first row to every layer, so every draft layer after the
+    first would read keys normalised with layer 0's weight: no error, lower
+    acceptance. A two-layer probe decides.
+    """
+    from vllm import _custom_ops as ops
+
+    x = torch.linspace(-1.0, 1.0, 2 * 64).view(2, 1, 1, 64)
+    w = torch.stack([torch.ones(64), torch.full((64,), 2.0)])
+    out = torch.empty_like(x)
+    try:
+        ops.rms_norm(out, x, w, 1e-6)
+    except Exception as exc:  # pragma: no cover - depends on the platform's kernels
+        return f"vllm ops.rms_norm rejects a per-layer weight ({exc})"
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w[:, None, None, :]
+    if not torch.allclose(out, want, atol=1e-4):
+        return "vLLM's rms_norm on this platform ignores the per-layer weight rows of the draft's key norms"
+    return None
+
+
+def _normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
+    """Per-layer RMSNorm of context keys [L, num_ctx, kv_heads, head_dim] with weights [L, head_dim]."""
+    xf = all_k.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
+    return (xf * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
 
 _DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                 "mask_token_id")
@@ -46,6 +83,10 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self._w2_norms: torch.Tensor | None = None
+        reason = _grouped_rms_norm_broken()
+        if reason is not None:
+            logger.warning("vllm_dspark: %s; normalising the context keys of each draft layer in PyTorch", reason)
+            self.model._normalize_context_k = types.MethodType(_normalize_context_k_per_layer, self.model)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         loaded = super().load_weights((canonical_name(name), w) for name, w in weights)

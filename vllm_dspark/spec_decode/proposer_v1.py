@@ -78,6 +78,7 @@ class DSparkProposer(DFlashProposer):
         spec = vllm_config.speculative_config
         # DFlashProposer insists on method "dflash", which is how the V1 path carries DSpark.
         super().__init__(vllm_config, device, runner)
+        self.runner = runner  # for request ids in the trace
         hf = spec.draft_model_config.hf_config
         self.dspark_config = DSparkConfig.from_dict(hf.to_dict())
         cfg = self.dspark_config
@@ -121,6 +122,8 @@ class DSparkProposer(DFlashProposer):
             self.num_speculative_tokens = saved
         if self.anchor_first:  # every query row predicts the token after it
             indices = self.arange[:num_query_total].to(torch.int32)
+        if self.settings.trace_path:
+            self._anchor_pos = self.positions[:num_query_total].view(-1, self.block)[:, 0].clone()
         return num_query_total, indices, new_cad
 
     # ------------------------------------------------------------------ Markov stage
@@ -165,11 +168,15 @@ class DSparkProposer(DFlashProposer):
         return [row[:k] for row, k in zip(rows, keep)]
 
     def _trace(self, drafts: torch.Tensor, keep: list[int]) -> None:
-        anchors = self._anchor_ids[: drafts.shape[0]].tolist()
+        n = drafts.shape[0]
+        anchors = self._anchor_ids[:n].tolist()
+        positions = self._anchor_pos[:n].tolist()
+        req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [None] * n
         conf = self._last_conf.tolist() if self._last_conf is not None else None
         with open(self.settings.trace_path, "a") as f:
             for i, row in enumerate(drafts.tolist()):
-                f.write(json.dumps({"pid": os.getpid(), "anchor": anchors[i], "draft": row,
+                f.write(json.dumps({"pid": os.getpid(), "req_id": req_ids[i], "pos": positions[i],
+                                    "anchor": anchors[i], "draft": row,
                                     "confidence": conf[i] if conf else None, "kept": keep[i],
                                     "threshold": self.settings.threshold, "path": self._last_path}) + "\n")
 

@@ -19,6 +19,7 @@ plugin without a GPU or a model hub:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -139,13 +140,16 @@ def drafter_config_for(target_dir: str | Path, *, block_size: int = 7, target_la
 
 def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random", bigram: torch.Tensor | None = None,
                  confidence_by_prev: torch.Tensor | None = None, seed: int = 0, scale: float = 0.05,
-                 legacy_names: bool = False) -> Path:
+                 backbone_scale: float = 0.0, legacy_names: bool = False) -> Path:
     """Save a DSpark drafter in SpecForge's export layout.
 
     mode ``random``: every weight random (``scale``), the backbone matters.
-    mode ``oracle``: backbone output silenced (final norm 0), Markov head encodes
-    ``bigram``; ``confidence_by_prev`` ([V] probabilities) sets the confidence of
-    each position from its previous token alone.
+    mode ``oracle``: Markov head encodes ``bigram``; the backbone's output is
+    scaled by ``backbone_scale`` (final norm weight; 0 silences it, small values
+    keep the tokens on the bigram while the confidence head, whose hidden part is
+    scaled up to match, still depends on every backbone weight);
+    ``confidence_by_prev`` ([V] probabilities) instead sets each position's
+    confidence from its previous token alone.
     """
     g = torch.Generator().manual_seed(seed)
     model = DSparkDraftModel(config)
@@ -158,20 +162,27 @@ def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random"
         if mode == "oracle":
             if bigram is None or model.markov_head is None:
                 raise ValueError("oracle mode needs a bigram table and markov_rank > 0")
-            model.norm.weight.zero_()
+            model.norm.weight.fill_(backbone_scale)
             u = _unit_rows(config.vocab_size, config.markov_rank, g)
             model.markov_head.markov_w1.weight.copy_(u)
             w2 = torch.zeros(config.vocab_size, config.markov_rank)
             w2.index_add_(0, bigram, u)  # bias[bigram[x]] gets <u_x, u_x> = 1
             model.markov_head.markov_w2.weight.copy_(w2 * 8.0)
             if model.confidence_head is not None:
-                model.confidence_head.proj.weight.zero_()
-                model.confidence_head.proj.bias.fill_(8.0)
+                h = config.hidden_size
+                w = model.confidence_head.proj.weight
+                if backbone_scale > 0:
+                    w[0, :h].normal_(0.0, 1.0 / (backbone_scale * math.sqrt(h)), generator=g)
+                else:
+                    w[0, :h].zero_()
+                w[0, h:].normal_(0.0, 1.0, generator=g)
+                model.confidence_head.proj.bias.fill_(1.5)
                 if confidence_by_prev is not None and config.confidence_head_with_markov:
                     # logit(c) = v . u_prev with v chosen by least squares over all tokens.
                     logit = torch.logit(confidence_by_prev.clamp(1e-4, 1 - 1e-4).float())
                     sol = torch.linalg.lstsq(u, logit[:, None]).solution[:, 0]
-                    model.confidence_head.proj.weight[0, config.hidden_size:] = sol
+                    w[0, :h].zero_()
+                    w[0, h:] = sol
                     model.confidence_head.proj.bias.zero_()
         elif mode != "random":
             raise ValueError(f"mode {mode!r}: expected 'random' or 'oracle'")

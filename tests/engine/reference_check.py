@@ -1,0 +1,68 @@
+"""Recompute draft steps recorded in a proposer trace with the plain-PyTorch reference.
+
+The trace (``VLLM_DSPARK_TRACE``) records, for each request of each draft
+step, the anchor token and its position. Given the full token sequence, the
+target's hidden states come from Hugging Face transformers and the drafter is
+the reference ``DSparkDraftModel``: an implementation that shares no code with
+the vLLM path except the Markov loop's semantics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dspark.checkpoint.io import load_reference_model
+
+
+class ReferenceDrafter:
+    def __init__(self, target_dir: str, draft_dir: str):
+        from transformers import AutoModelForCausalLM
+
+        self.target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        self.draft = load_reference_model(draft_dir).eval()
+        self.ids = self.draft.config.target_layer_ids
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def aux(self, seq: list[int]) -> torch.Tensor:
+        key = tuple(seq)
+        if key not in self._cache:
+            # The output of decoder layer i (DSpark's convention), taken from the
+            # layer itself: HF's hidden_states[-1] is after the final norm.
+            captured: dict[int, torch.Tensor] = {}
+            hooks = [self.target.model.layers[i].register_forward_hook(
+                lambda mod, args, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+                for i in self.ids]
+            try:
+                self.target(torch.tensor([seq]))
+            finally:
+                for h in hooks:
+                    h.remove()
+            self._cache[key] = torch.cat([captured[i][0] for i in self.ids], dim=-1)
+        return self._cache[key]
+
+    @torch.no_grad()
+    def step(self, seq: list[int], pos: int, threshold: float = 0.0):
+        """Draft from anchor seq[pos] with context seq[:pos]."""
+        aux = self.aux(seq)[:pos].unsqueeze(0)
+        emb = self.target.get_input_embeddings().weight
+        head = self.target.get_output_embeddings().weight
+        return self.draft.draft(aux, torch.tensor([pos]), torch.tensor([seq[pos]]), emb, head,
+                                threshold=threshold)
+
+
+def match_sequence(record: dict, sequences: list[list[int]], first_request: int = 0) -> int | None:
+    """Index of the record's request, or None when its anchor lies past the returned tokens.
+
+    ``LLM.generate`` numbers requests from ``first_request`` in prompt order
+    (request ids ``"<n>-<suffix>"``). A step can accept tokens beyond
+    ``max_tokens``; the drafts made from them are not in the returned sequence.
+    """
+    idx = int(str(record["req_id"]).split("-")[0]) - first_request
+    if not 0 <= idx < len(sequences):
+        return None
+    seq = sequences[idx]
+    if record["pos"] >= len(seq):
+        return None
+    assert seq[record["pos"]] == record["anchor"], (record, idx)
+    return idx

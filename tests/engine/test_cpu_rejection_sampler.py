@@ -1,0 +1,103 @@
+"""vLLM's rejection sampler on the CPU backend, with the plugin's patches applied (no engine).
+
+vLLM 0.32's CPU override of the ``_expand`` kernel never wrote float32/int32
+outputs. Per-token temperatures, top-k and top-p were then uninitialised
+memory, so spec-decode sampling at temperature > 0 drew from the wrong
+distribution and seeded requests did not repeat. ``v1_sample_rejection_sampler``
+fixes this. These tests check the expansion, the scaled logits, and that the
+first output token of a verified draft follows the target distribution.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm_dspark.patch import v1_sample_rejection_sampler as patch_module
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
+
+
+@pytest.fixture(scope="module")
+def rs():
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import dispatcher
+
+    if current_platform.is_cpu() and EXPAND_KERNEL not in dispatcher._registry:
+        current_platform.register_triton_kernel_overrides()  # as every vLLM worker does at start-up
+    import vllm.v1.sample.rejection_sampler as module
+
+    was_applied = patch_module.PATCH.applied
+    patch_module.PATCH.apply()
+    yield module
+    if not was_applied:
+        patch_module.PATCH.restore()
+
+
+def test_expand_keeps_dtype_values_and_replacement(rs):
+    cu = torch.tensor([2, 2, 5, 6], dtype=torch.int32)  # request 1 has no draft tokens
+    temp = rs.expand_batch_to_tokens(torch.tensor([0.7, 0.5, -1.0, 1.3]), cu, 6, replace_from=-1, replace_to=1)
+    assert temp.dtype == torch.float32
+    assert temp.tolist() == pytest.approx([0.7, 0.7, 1.0, 1.0, 1.0, 1.3])
+    top_k = rs.expand_batch_to_tokens(torch.tensor([3, 9, 0, 4], dtype=torch.int32), cu, 6)
+    assert top_k.dtype == torch.int32 and top_k.tolist() == [3, 3, 0, 0, 0, 4]
+
+
+def test_sampling_constraints_divide_by_each_requests_temperature(rs):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 11, generator=g)
+    md = SimpleNamespace(all_greedy=False, temperature=torch.tensor([0.5, 2.0]), top_k=None, top_p=None)
+    out = rs.apply_sampling_constraints(logits.clone(), torch.tensor([2, 5], dtype=torch.int32), md)
+    expected = torch.cat([logits[:2] / 0.5, logits[2:] / 2.0])
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("with_draft_probs", [True, False])
+def test_first_token_follows_the_tempered_target(rs, with_draft_probs):
+    """One draft per request: the emitted token must follow softmax(logits / T), whatever was drafted."""
+    vocab, per_group = 6, 20000
+    temps = (0.6, 1.4)
+    g = torch.Generator().manual_seed(1)
+    base = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -1.0])
+    draft_dist = torch.tensor([0.05, 0.1, 0.4, 0.3, 0.1, 0.05])
+    batch = per_group * len(temps)
+    draft_ids = torch.multinomial(draft_dist, batch, replacement=True, generator=g).to(torch.int32)
+    md = SimpleNamespace(all_greedy=False, all_random=True, generators={}, top_k=None, top_p=None,
+                         temperature=torch.tensor([t for t in temps for _ in range(per_group)]))
+    cu = torch.arange(1, batch + 1, dtype=torch.int32)
+    target_logits = rs.apply_sampling_constraints(base.expand(batch, vocab).clone(), cu, md)
+    draft_probs = draft_dist.expand(batch, vocab).contiguous() if with_draft_probs else None
+    out = rs.rejection_sample(draft_ids, [1] * batch, 1, cu, draft_probs, target_logits,
+                              torch.zeros(batch, 1, dtype=torch.int64), md)
+    first = out[:, 0].long()
+    for k, t in enumerate(temps):
+        tokens = first[k * per_group:(k + 1) * per_group]
+        freq = torch.bincount(tokens, minlength=vocab).double() / per_group
+        want = torch.softmax(base.double() / t, dim=0)
+        # draft_probs None (n-gram) means a one-hot draft: the output still follows the target.
+        assert (freq - want).abs().max().item() < 0.015, (t, freq.tolist(), want.tolist())
+    # The two temperatures must give visibly different outputs (they did not when both were junk).
+    f0 = torch.bincount(first[:per_group], minlength=vocab).double() / per_group
+    f1 = torch.bincount(first[per_group:], minlength=vocab).double() / per_group
+    assert (f0 - f1).abs().max().item() > 0.1
+
+
+def test_seeded_requests_repeat(rs):
+    vocab, batch = 50, 8
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(batch, vocab, generator=g)
+    draft_ids = torch.randint(0, vocab, (batch,), generator=g, dtype=torch.int32)
+    cu = torch.arange(1, batch + 1, dtype=torch.int32)
+
+    def run():
+        md = SimpleNamespace(all_greedy=False, all_random=True, top_k=None, top_p=None,
+                             temperature=torch.full((batch,), 0.8),
+                             generators={i: torch.Generator().manual_seed(100 + i) for i in range(batch)})
+        torch.empty(batch * 4, vocab).normal_()  # disturb the allocator between runs
+        logits = rs.apply_sampling_constraints(base.clone(), cu, md)
+        return rs.rejection_sample(draft_ids, [1] * batch, 1, cu, None, logits,
+                                   torch.zeros(batch, 1, dtype=torch.int64), md).tolist()
+
+    assert run() == run() == run()

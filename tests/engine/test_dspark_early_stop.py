@@ -1,0 +1,98 @@
+"""Confidence-gated early stop and num_speculative_tokens below the block, on a Llama target.
+
+One engine: a Llama target with an odd vocabulary (301), a block-5 drafter,
+num_speculative_tokens 4 and threshold 0.4 from the environment. The trace
+the proposer writes gives each step's confidences; the kept draft must be the
+longest prefix whose running product stays >= 0.4, capped at 4, and the
+target must verify exactly those tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine.conftest import MAX_TOKENS, make_prompts
+from tests.engine.reference_check import ReferenceDrafter, match_sequence
+from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, \
+    verified_draft_tokens
+from vllm_dspark.testing.tiny import (drafter_config_for, expected_length, make_drafter, make_target,
+                                      random_bigram)
+
+pytestmark = pytest.mark.engine
+VOCAB = 301
+THRESHOLD = 0.4
+N = 4
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama_pair")
+    bigram = random_bigram(VOCAB, seed=7)
+    target = make_target(root / "target", arch="llama", vocab_size=VOCAB, bigram=bigram, num_layers=3,
+                         hidden_size=128, num_heads=2, num_kv_heads=2)
+    cfg = drafter_config_for(target, block_size=5, markov_rank=64, target_layer_ids=(0, 2), num_layers=2)
+    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=bigram, backbone_scale=0.05, seed=9)
+    return {"target": str(target), "draft": str(draft)}
+
+
+@pytest.fixture(scope="module")
+def runs(llama_pair, tmp_path_factory):
+    from vllm import SamplingParams
+
+    prompts = make_prompts(seed=1)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    reqs = [{"prompt_token_ids": p} for p in prompts]
+    with llm_engine(llama_pair["target"]) as llm:
+        baseline = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+    trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+    spec = {"method": "dspark", "model": llama_pair["draft"], "num_speculative_tokens": N}
+    with llm_engine(llama_pair["target"], speculative_config=spec,
+                    env={"VLLM_DSPARK_TRACE": str(trace), "VLLM_DSPARK_CONFIDENCE_THRESHOLD": str(THRESHOLD)}) as llm:
+        got = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+        metrics = spec_metrics(llm)
+    return prompts, baseline, got, metrics, read_trace(trace)
+
+
+def test_lossless_with_early_stop_and_short_drafts(runs):
+    _, baseline, got, _, _ = runs
+    for i, (a, b) in enumerate(zip(got, baseline)):
+        assert torch.equal(torch.tensor(a), torch.tensor(b)), f"request {i} differs"
+
+
+def test_kept_length_follows_the_confidences(runs):
+    _, _, _, _, trace = runs
+    assert trace and {r["path"] for r in trace} == {"compiled"}
+    kept = []
+    for r in trace:
+        assert len(r["draft"]) == 5  # the drafter runs its full trained block
+        assert r["kept"] == min(N, expected_length(r["confidence"], THRESHOLD)), r
+        kept.append(r["kept"])
+    # The gate must have really acted both ways in this run.
+    assert any(k < N for k in kept) and any(k == N for k in kept)
+    assert any(k == 0 for k in kept) or min(kept) < N
+
+
+def test_target_verifies_only_the_kept_drafts(runs):
+    _, _, _, metrics, trace = runs
+    s = acceptance_summary(metrics)
+    assert s["num_draft_tokens"] == verified_draft_tokens(trace)
+    assert s["num_draft_tokens"] < N * s["num_drafts"]  # early stop really cut target work
+    assert len(s["per_position_acceptance"]) >= N
+
+
+def test_confidences_match_the_reference(runs, llama_pair):
+    prompts, _, got, _, trace = runs
+    sequences = [p + t for p, t in zip(prompts, got)]
+    ref = ReferenceDrafter(llama_pair["target"], llama_pair["draft"])
+    checked = 0
+    for r in trace[:: max(1, len(trace) // 25)]:
+        idx = match_sequence(r, sequences)
+        if idx is None:
+            continue
+        out = ref.step(sequences[idx], r["pos"], threshold=THRESHOLD)
+        assert r["draft"] == out.tokens[0].tolist(), r
+        assert torch.allclose(torch.tensor(r["confidence"]), out.confidence[0], atol=2e-3), r
+        assert min(N, int(out.lengths[0])) == r["kept"]
+        checked += 1
+    assert checked >= 8
