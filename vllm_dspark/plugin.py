@@ -57,10 +57,50 @@ def register() -> None:
     else:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.model_v2:DSparkV2DraftModel")
+    _install_cli_excepthook()
     _state["pid"] = os.getpid()
     _state["vllm_version"] = version
     _registered = True
     logger.debug("vllm_dspark registered in pid %d (vLLM %s)", os.getpid(), version)
+
+
+def _dspark_error(exc: BaseException) -> BaseException | None:
+    """Our start-up error, also when pydantic wrapped it while building vLLM's config."""
+    from vllm_dspark.patch.config_speculative import DSparkDraftError
+    from vllm_dspark.spec_decode.settings import DSparkSettingsError
+
+    ours = (DSparkDraftError, DSparkSettingsError)
+    if isinstance(exc, ours):
+        return exc
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        try:
+            for err in errors():
+                inner = (err.get("ctx") or {}).get("error")
+                if isinstance(inner, ours):
+                    return inner
+        except Exception:
+            return None
+    return None
+
+
+def _install_cli_excepthook() -> None:
+    """Under the ``vllm`` command, print a bad draft's message alone instead of vLLM's traceback."""
+    import sys
+
+    if not os.path.basename(sys.argv[0] if sys.argv else "").startswith("vllm") or \
+            getattr(sys.excepthook, "__dspark__", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        ours = _dspark_error(exc)
+        if ours is None:
+            return previous(exc_type, exc, tb)
+        print(f"vllm_dspark: {ours}", file=sys.stderr)
+
+    hook.__dspark__ = True
+    sys.excepthook = hook
 
 
 def is_registered() -> bool:
