@@ -1,0 +1,65 @@
+"""Patch of ``vllm.v1.sample.rejection_sampler``: correct per-token sampling params on CPU.
+
+``apply_sampling_constraints`` spreads each request's temperature, top-k and
+top-p over its draft positions with ``expand_batch_to_tokens``. That function
+allocates an uninitialised output (``x.new_empty``) and fills it with the
+``_expand`` kernel. On the CPU backend, vLLM 0.32 routes that kernel to
+``vllm.utils.cpu_triton_utils._expand_kernel_impl``. That function passes
+``_ensure_int64(output)`` to the C++ op ``_C::expand_kernel_impl``, so a
+float32 (temperature, top_p) or int32 (top_k) output is first copied to a
+temporary int64 tensor. The op writes into that copy, which is then thrown
+away. The real output keeps whatever bytes were in memory before. (The input
+is also cast to int64, so a temperature of 0.7 would have become 0 anyway.)
+
+As a result, on CPU every draft position of a non-greedy request divided its
+target logits by uninitialised memory (we saw 0, ~1e-38 and ~-1.5e18), and
+top-k/top-p ran with junk values. The recovered tokens and the accept/reject
+decisions followed from those junk probabilities. The output was therefore
+not the target distribution. It also varied with the allocator state, so
+seeded requests did not repeat. Greedy requests never reach this path
+(``all_greedy`` returns first).
+
+This patch replaces ``expand_batch_to_tokens`` for CPU tensors with a torch
+``repeat_interleave`` that does the same job: each request's value, with
+``replace_from`` changed to ``replace_to``, is repeated over that request's
+tokens, and the dtype is kept. Other devices still call the original.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_dspark.patch.registry import Patch, register_patch
+
+
+def expand_batch_to_tokens_cpu(x: torch.Tensor, cu_num_tokens: torch.Tensor, num_tokens: int,
+                               replace_from: int = 0, replace_to: int = 0) -> torch.Tensor:
+    """[batch_size] -> [num_tokens]: request i's value over its tokens (cu_num_tokens is cumulative)."""
+    assert cu_num_tokens.shape[0] == x.shape[0]
+    counts = torch.diff(cu_num_tokens.to(torch.long), prepend=cu_num_tokens.new_zeros(1, dtype=torch.long))
+    values = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return values.repeat_interleave(counts, output_size=num_tokens)
+
+
+def _make_expand(original):
+    def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+        if x.device.type != "cpu":
+            return original(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+        return expand_batch_to_tokens_cpu(x, cu_num_tokens, num_tokens, replace_from, replace_to)
+    return expand_batch_to_tokens
+
+
+PATCH = register_patch(Patch(
+    name="rejection-sampler-cpu-expand",
+    module="vllm.v1.sample.rejection_sampler",
+    attribute="expand_batch_to_tokens",
+    what="on CPU, per-request temperature/top-k/top-p are expanded to draft positions with torch "
+         "(repeat_interleave) instead of the CPU '_expand' kernel override",
+    why="vLLM 0.32's CPU override (cpu_triton_utils._expand_kernel_impl) casts the output to a temporary "
+        "int64 copy, so float32/int32 outputs stay uninitialised; spec-decode sampling at temperature > 0 "
+        "then used junk temperatures (wrong distribution, seeded requests not reproducible)",
+    versions=("0.32",),
+    removable_when="vLLM's CPU _expand_kernel_impl writes back non-int64 outputs (and keeps float inputs), "
+                   "e.g. by copying the int64 result into the output or handling float dtypes natively",
+    make=_make_expand,
+))
