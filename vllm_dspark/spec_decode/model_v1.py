@@ -110,6 +110,11 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
             self._w2_norms = markov_row_norms(self.markov_w2)
         return self._w2_norms
 
+    def markov_w2_zeros(self) -> torch.Tensor:
+        if getattr(self, "_w2_zeros", None) is None:
+            self._w2_zeros = torch.zeros_like(self.markov_w2)
+        return self._w2_zeros
+
     def confidence_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(hidden part + bias [..] fp32, Markov weight [r] fp32), or (None, None) without a head."""
         head = self.model.confidence_head

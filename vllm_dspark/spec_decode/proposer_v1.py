@@ -33,7 +33,7 @@ import torch
 from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.spec_decode.settings import ProposerSettings, TRACE_ENV, stats_interval
+from vllm_dspark.spec_decode.settings import ProposerSettings, TRACE_ENV, markov_enabled, stats_interval
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -91,6 +91,7 @@ class DSparkProposer(DFlashProposer):
             threshold_source=str(getattr(hf, "dspark_threshold_source", "default")),
             trace_path=os.environ.get(TRACE_ENV) or None,
             stats_interval_s=stats_interval(),
+            use_markov=markov_enabled(),
         )
         self.stats = EarlyStopStats()
         self._last_log = time.monotonic()
@@ -104,8 +105,9 @@ class DSparkProposer(DFlashProposer):
                            "treats greedy drafts as deterministic proposals)")
             self._enable_probabilistic_draft_probs = False
         logger.info("vllm_dspark: DSpark proposer ready: %s layout, block %d, keeps %d drafts, "
-                    "early-stop threshold %g (%s)", cfg.query_layout, self.block,
-                    self.settings.num_draft_tokens, self.settings.threshold, self.settings.threshold_source)
+                    "early-stop threshold %g (%s)%s", cfg.query_layout, self.block,
+                    self.settings.num_draft_tokens, self.settings.threshold, self.settings.threshold_source,
+                    "" if self.settings.use_markov else ", Markov bias DISABLED (ablation)")
 
     # ------------------------------------------------------------------ layout
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
@@ -141,8 +143,11 @@ class DSparkProposer(DFlashProposer):
         anchors = self._anchor_ids[:batch].to(torch.int64)
         greedy = torch.zeros(batch, dtype=torch.float32, device=base.device)
         seeds = torch.zeros(batch, dtype=torch.int64, device=base.device)
+        w2, w2_norms = model.markov_w2, model.markov_w2_row_norms()
+        if not self.settings.use_markov:  # the ablation: no bias, rows argmaxed independently
+            w2, w2_norms = model.markov_w2_zeros(), torch.zeros_like(w2_norms)
         out = markov_draft(
-            base, anchors, model.markov_w1, model.markov_w2, model.markov_w2_row_norms(),
+            base, anchors, model.markov_w1, w2, w2_norms,
             conf_base, conf_w, greedy, seeds, self.settings.threshold)
         self._last_lengths, self._last_conf = out.lengths, out.conf
         self._last_path = last_path()

@@ -8,6 +8,9 @@
   ran). For debugging and the tests; off by default.
 * ``VLLM_DSPARK_STATS_INTERVAL``: seconds between the early-stop log lines
   (default 30; 0 turns them off).
+* ``VLLM_DSPARK_DISABLE_MARKOV=1``: draft without the Markov bias (each row's
+  argmax; the DFlash-style ablation the benchmarks compare against). Still
+  lossless; the confidence head keeps its real Markov input.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 THRESHOLD_ENV = "VLLM_DSPARK_CONFIDENCE_THRESHOLD"
 TRACE_ENV = "VLLM_DSPARK_TRACE"
 STATS_INTERVAL_ENV = "VLLM_DSPARK_STATS_INTERVAL"
+DISABLE_MARKOV_ENV = "VLLM_DSPARK_DISABLE_MARKOV"
 CONFIG_THRESHOLD_KEY = "confidence_threshold"
 
 
@@ -57,6 +61,7 @@ class ProposerSettings:
     threshold_source: str
     trace_path: str | None
     stats_interval_s: float
+    use_markov: bool = True
 
     @property
     def cuts_drafts(self) -> bool:
@@ -70,3 +75,10 @@ def stats_interval() -> float:
     except ValueError:
         raise DSparkSettingsError(f"{STATS_INTERVAL_ENV}: got {raw!r}, expected seconds (0 = off)") from None
     return max(0.0, v)
+
+
+def markov_enabled() -> bool:
+    raw = os.environ.get(DISABLE_MARKOV_ENV, "0").strip()
+    if raw not in ("0", "1", ""):
+        raise DSparkSettingsError(f"{DISABLE_MARKOV_ENV}: got {raw!r}, expected 0 or 1")
+    return raw != "1"
