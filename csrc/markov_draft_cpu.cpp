@@ -83,6 +83,87 @@ inline double dot64(const TW* __restrict w, const double* __restrict e, int64_t 
   return (a0 + a1) + (a2 + a3);
 }
 
+// out[j] = sum_k fp64(w[j, k]) * e[k] for nrows consecutive rows: the dense
+// path's inner loop. Four rows at a time with eight lanes each, in a fixed
+// order, so the compiler vectorises it (AVX-512 / AVX2 clones picked at run
+// time, SSE2 otherwise) without reassociating anything itself.
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define DSPARK_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define DSPARK_SIMD_CLONES
+#endif
+
+#define DSPARK_DOT_ROWS_BODY(LOAD)                                                  \
+  int64_t j = 0;                                                                    \
+  for (; j + 4 <= nrows; j += 4) {                                                  \
+    double acc[4][8] = {};                                                          \
+    int64_t k = 0;                                                                  \
+    for (; k + 8 <= rank; k += 8) {                                                 \
+      for (int q = 0; q < 4; ++q) {                                                 \
+        for (int u = 0; u < 8; ++u) {                                               \
+          acc[q][u] += static_cast<double>(LOAD((j + q) * rank + k + u)) * e[k + u]; \
+        }                                                                           \
+      }                                                                             \
+    }                                                                               \
+    for (; k < rank; ++k) {                                                         \
+      for (int q = 0; q < 4; ++q) {                                                 \
+        acc[q][k & 7] += static_cast<double>(LOAD((j + q) * rank + k)) * e[k];      \
+      }                                                                             \
+    }                                                                               \
+    for (int q = 0; q < 4; ++q) {                                                   \
+      const double* c = acc[q];                                                     \
+      out[j + q] = ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7])); \
+    }                                                                               \
+  }                                                                                 \
+  for (; j < nrows; ++j) {                                                          \
+    double c[8] = {};                                                               \
+    for (int64_t k = 0; k < rank; ++k) {                                            \
+      c[k & 7] += static_cast<double>(LOAD(j * rank + k)) * e[k];                   \
+    }                                                                               \
+    out[j] = ((c[0] + c[4]) + (c[1] + c[5])) + ((c[2] + c[6]) + (c[3] + c[7]));     \
+  }
+
+DSPARK_SIMD_CLONES void dot_rows_f32(const float* __restrict w, int64_t nrows, int64_t rank,
+                                     const double* __restrict e, double* __restrict out) {
+#define DSPARK_LOAD_F32(i) w[i]
+  DSPARK_DOT_ROWS_BODY(DSPARK_LOAD_F32)
+#undef DSPARK_LOAD_F32
+}
+
+static inline float bf16_bits_to_f(uint16_t b) {
+  const uint32_t x = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &x, sizeof(f));
+  return f;
+}
+
+DSPARK_SIMD_CLONES void dot_rows_bf16(const uint16_t* __restrict w, int64_t nrows, int64_t rank,
+                                      const double* __restrict e, double* __restrict out) {
+#define DSPARK_LOAD_BF16(i) bf16_bits_to_f(w[i])
+  DSPARK_DOT_ROWS_BODY(DSPARK_LOAD_BF16)
+#undef DSPARK_LOAD_BF16
+}
+
+void dot_rows_f16(const c10::Half* __restrict w, int64_t nrows, int64_t rank,
+                  const double* __restrict e, double* __restrict out) {
+#define DSPARK_LOAD_F16(i) static_cast<float>(w[i])
+  DSPARK_DOT_ROWS_BODY(DSPARK_LOAD_F16)
+#undef DSPARK_LOAD_F16
+}
+
+inline void dot_rows(const float* w, int64_t n, int64_t rank, const double* e, double* out) {
+  dot_rows_f32(w, n, rank, e, out);
+}
+inline void dot_rows(const c10::BFloat16* w, int64_t n, int64_t rank, const double* e,
+                     double* out) {
+  dot_rows_bf16(reinterpret_cast<const uint16_t*>(w), n, rank, e, out);
+}
+inline void dot_rows(const c10::Half* w, int64_t n, int64_t rank, const double* e, double* out) {
+  dot_rows_f16(w, n, rank, e, out);
+}
+
+constexpr int64_t kDenseRows = 256;  // tokens per dot_rows call of the dense path
+
 struct Args {
   const void* base;
   const int64_t* anchor;
@@ -107,6 +188,7 @@ struct Scratch {
   std::vector<int32_t> cand;
   std::vector<float> cand_ub;
   std::vector<double> e64;
+  std::vector<float> row;  // [V] logits of a dense row (allocated on first use)
 };
 
 template <typename TB, typename TW>
@@ -122,25 +204,51 @@ struct RowSolver {
   int64_t n_exact = 0;
 
   // The reference's score of token j (exact).
+  bool given = false;   // base already holds the corrected logits (no bias)
+
   inline float exact_score(int64_t j) {
     ++n_exact;
-    const float bias = static_cast<float>(dot64(w2 + j * a.rank, e64, a.rank));
-    const float logit = to_f(base[j]) + bias;
+    const float logit = given
+        ? to_f(base[j])
+        : to_f(base[j]) + static_cast<float>(dot64(w2 + j * a.rank, e64, a.rank));
     if (!sampled) return logit;
     return sampled_score(logit, T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))));
   }
 
+  // Every corrected logit of the row (into logits_out, or scratch), then the
+  // pick over them.
   int64_t dense(float* logits_out) {
-    float best_s = -kInf;
-    int64_t best_j = std::numeric_limits<int64_t>::max();
+    if (logits_out == nullptr) {
+      if (static_cast<int64_t>(s.row.size()) < a.V) s.row.resize(a.V);
+      logits_out = s.row.data();
+    }
+    alignas(64) double tmp[kDenseRows];
+    for (int64_t j0 = 0; j0 < a.V; j0 += kDenseRows) {
+      const int64_t n = std::min(kDenseRows, a.V - j0);
+      dot_rows(w2 + j0 * a.rank, n, a.rank, e64, tmp);
+      for (int64_t t = 0; t < n; ++t) {
+        logits_out[j0 + t] = to_f(base[j0 + t]) + static_cast<float>(tmp[t]);
+      }
+    }
     n_exact = a.V;
+    return pick_from_logits(a, s, logits_out, w2, e64, T, sampled, key);
+  }
+
+  // The reference's argmax over a row of final logits. Greedy: one max pass.
+  // Sampled: the same bound-and-verify pass as the pruned path with a zero bias
+  // bound, so the exact fp64 noise is evaluated only for a few tokens.
+  static int64_t pick_from_logits(const Args& a, Scratch& s, const float* logits, const TW* w2,
+                                  const double* e64, float T, bool sampled, uint32_t key) {
+    RowSolver<float, TW> g{a, s, logits, w2, e64, T, sampled, key};
+    g.given = true;
+    int64_t tok = g.pruned(0.f, bias_bound(0.f, 0.f));
+    if (tok >= 0) return tok;
+    float best_s = -kInf;  // thousands of (near-)ties: score every token
+    int64_t best_j = std::numeric_limits<int64_t>::max();
     for (int64_t j = 0; j < a.V; ++j) {
-      const float bias = static_cast<float>(dot64(w2 + j * a.rank, e64, a.rank));
-      const float logit = to_f(base[j]) + bias;
-      if (logits_out) logits_out[j] = logit;
       const float sc = sampled
-          ? sampled_score(logit, T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))))
-          : logit;
+          ? sampled_score(logits[j], T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))))
+          : logits[j];
       if (better(sc, j, best_s, best_j)) {
         best_s = sc;
         best_j = j;
@@ -289,6 +397,18 @@ struct RowSolver {
   }
 };
 
+// Confidence of one (request, position) row; e64 is the previous token's embedding.
+inline float row_conf(const Args& a, int64_t row, const double* e64) {
+  if (a.conf_base == nullptr) return 1.0f;
+  double z = static_cast<double>(a.conf_base[row]);
+  if (a.conf_w) {
+    double d = 0.0;
+    for (int64_t k = 0; k < a.rank; ++k) d += e64[k] * static_cast<double>(a.conf_w[k]);
+    z += d;
+  }
+  return confidence(z);
+}
+
 template <typename TB, typename TW>
 void draft_request(const Args& a, int64_t r, Scratch& s) {
   const TW* w1 = static_cast<const TW*>(a.w1);
@@ -325,16 +445,7 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
     a.out_tokens[row] = tok;
     if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(solver.n_exact);
 
-    float c = 1.0f;
-    if (a.conf_base) {
-      double z = static_cast<double>(a.conf_base[row]);
-      if (a.conf_w) {
-        double d = 0.0;
-        for (int64_t k = 0; k < a.rank; ++k) d += e64[k] * static_cast<double>(a.conf_w[k]);
-        z += d;
-      }
-      c = confidence(z);
-    }
+    const float c = row_conf(a, row, e64);
     a.out_conf[row] = c;
     alive = early_stop_step(&run, alive, c, a.threshold);
     length += alive ? 1 : 0;
@@ -344,7 +455,11 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
 }
 
 template <typename TB, typename TW>
+void run_dense_all(const Args& a);
+
+template <typename TB, typename TW>
 void run_all(const Args& a) {
+  if (a.out_logits != nullptr) return run_dense_all<TB, TW>(a);
   (void)gumbel_tables();  // build once, outside the parallel region
   const int64_t R = a.R;
   // One thread per request at most: a batch-1 call stays on the calling thread.
@@ -358,6 +473,67 @@ void run_all(const Args& a) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < R; ++r) draft_request<TB, TW>(a, r, s);
   }
+}
+
+// out_logits requested: every row is dense. Position by position, tiles of
+// markov_w2 are shared by all requests (read once per position, not once per
+// request), then each request picks its token.
+template <typename TB, typename TW>
+void run_dense_all(const Args& a) {
+  const int64_t R = a.R, B = a.B, V = a.V, rank = a.rank;
+  const TW* w1 = static_cast<const TW*>(a.w1);
+  const TW* w2 = static_cast<const TW*>(a.w2);
+  const TB* base = static_cast<const TB*>(a.base);
+  (void)gumbel_tables();
+  std::vector<int64_t> prev(a.anchor, a.anchor + R);
+  std::vector<double> E(static_cast<size_t>(R * rank));  // [R, rank] embeddings
+  std::vector<double> run(R, 1.0);
+  std::vector<char> alive(R, 1);
+  std::vector<int32_t> length(R, 0);
+  const int64_t ntiles = (V + kDenseRows - 1) / kDenseRows;
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < rank; ++k) E[r * rank + k] = to_f(w1[prev[r] * rank + k]);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; ++t) {
+      alignas(64) double tmp[kDenseRows];
+      const int64_t j0 = t * kDenseRows;
+      const int64_t n = std::min(kDenseRows, V - j0);
+      for (int64_t r = 0; r < R; ++r) {
+        dot_rows(w2 + j0 * rank, n, rank, &E[r * rank], tmp);
+        const int64_t row = r * B + i;
+        const TB* b = base + row * V + j0;
+        float* out = a.out_logits + row * V + j0;
+        for (int64_t u = 0; u < n; ++u) out[u] = to_f(b[u]) + static_cast<float>(tmp[u]);
+      }
+    }
+    const int threads = static_cast<int>(std::min<int64_t>(R, omp_get_max_threads()));
+#pragma omp parallel num_threads(threads) if (threads > 1)
+    {
+      Scratch s;
+      s.cand.resize(kCandCap);
+      s.cand_ub.resize(kCandCap);
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t row = r * B + i;
+        const float T = a.temperature[r];
+        const bool sampled = T > 0.f;
+        int64_t tok = RowSolver<TB, TW>::pick_from_logits(
+            a, s, a.out_logits + row * V, w2, &E[r * rank], sampled ? T : 1.f, sampled,
+            sampled ? row_key(a.seeds[r], static_cast<int>(i)) : 0u);
+        if (tok < 0 || tok >= V) tok = 0;  // only NaN logits leave no winner
+        a.out_tokens[row] = tok;
+        if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(V);
+        const float c = row_conf(a, row, &E[r * rank]);
+        a.out_conf[row] = c;
+        alive[r] = early_stop_step(&run[r], alive[r] != 0, c, a.threshold) ? 1 : 0;
+        length[r] += alive[r];
+        prev[r] = tok;
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) a.out_lengths[r] = length[r];
 }
 
 template <typename TB>
