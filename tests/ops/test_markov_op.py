@@ -241,6 +241,20 @@ def test_out_logits_takes_the_dense_path(mode):
     assert bool((out.stats == 777).all())
 
 
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_out_logits_with_all_equal_logits(mode):
+    # Ties everywhere: the pick over the dense row must score every token.
+    V = 9000
+    case = make_case(2, 3, V, 8, seed=16)
+    case["base_logits"].fill_(-1.5)
+    case["markov_w2"].zero_()
+    temp = temperatures(2, mode)
+    out = run_op(case, temp, 0.0, return_logits=True)
+    ref = run_ref(case, temp, 0.0, return_logits=True)
+    assert_matches(out, ref)
+    assert torch.equal(out.logits, ref[3])
+
+
 # --- the op as a torch.library op -------------------------------------------------
 
 def _op_args(case, temperature, threshold, with_logits):
