@@ -93,6 +93,15 @@ class DSparkProposer(DFlashProposer):
             stats_interval_s=stats_interval(),
             use_markov=markov_enabled(),
         )
+        if self.settings.cuts_drafts and getattr(runner, "use_async_scheduling", False):
+            # With async scheduling the V1 runner reuses a fixed-width draft tensor and
+            # cannot verify per-request prefixes.
+            raise ValueError(
+                "vllm_dspark: cutting drafts (early-stop threshold "
+                f"{self.settings.threshold:g}, or num_speculative_tokens {self.settings.num_draft_tokens} < block "
+                f"{self.settings.block_size}) needs synchronous scheduling on the V1 runner; start vLLM with "
+                "--no-async-scheduling (LLM(..., async_scheduling=False)), or set the threshold to 0 and "
+                "num_speculative_tokens to the block size")
         self.stats = EarlyStopStats()
         self._last_log = time.monotonic()
         self._anchor_ids: torch.Tensor | None = None
