@@ -48,9 +48,13 @@ Performance (``scripts/bench_markov_op.py``)
     over the dense loop at batch 1 and 64 on the benchmark's regimes. The bound
     is Cauchy-Schwarz, so it only separates tokens when ||w2_j||*||e|| is small
     against the spread of the top base logits; with large isotropic Markov
-    weights over flat logits most rows go dense and the op is no faster than
-    the loop (``--regimes flat-strong`` shows it). CUDA: one thread block per
-    request walks the block (batch 1 uses one SM); not yet measured on a GPU.
+    weights over flat logits most rows go dense (``--regimes flat-strong``):
+    a dense row reads all of ``markov_w2`` (vectorised fp64 dots), about the
+    loop's cost at batch 1 and a few times the loop's batched matmul at batch
+    64. With ``out_logits`` every row is dense, but position by position with
+    each ``markov_w2`` tile shared by all requests (about the loop's cost).
+    CUDA: one thread block per request walks the block (batch 1 uses one SM);
+    not yet measured on a GPU.
 
 Checked by
     ``tests/ops/test_markov_op.py``: the compiled op is loaded (no silent
