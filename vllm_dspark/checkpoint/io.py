@@ -94,7 +94,24 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path.name}: header is not valid JSON ({exc}); the file is corrupt") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path.name}: header is a JSON {type(header).__name__}, not an object of tensors; "
+                         "the file is corrupt")
     return header, 8 + n
+
+
+def _parse_entry(stored: str, meta) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, begin, end) of one header entry; ValueError when malformed."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"entry is a {type(meta).__name__}, not an object")
+    shape_raw, offsets = meta.get("shape", []), meta.get("data_offsets")
+    if not isinstance(shape_raw, list) or not all(isinstance(x, int) and x >= 0 for x in shape_raw):
+        raise ValueError(f"shape {shape_raw!r} is not a list of non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(x, int) and x >= 0 for x in offsets) or offsets[1] < offsets[0]):
+        raise ValueError(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
+    dtype = _ST_DTYPES.get(meta.get("dtype"), str(meta.get("dtype")))
+    return dtype, tuple(shape_raw), offsets[0], offsets[1]
 
 
 def _header_entries(path: Path, problems: list[str]) -> dict[str, HeaderEntry]:
@@ -109,9 +126,11 @@ def _header_entries(path: Path, problems: list[str]) -> dict[str, HeaderEntry]:
         if stored == "__metadata__":
             continue
         name = canonical_name(stored)
-        dtype = _ST_DTYPES.get(meta.get("dtype"), str(meta.get("dtype")))
-        shape = tuple(int(s) for s in meta.get("shape", []))
-        begin, end = (int(x) for x in meta.get("data_offsets", (0, 0)))
+        try:
+            dtype, shape, begin, end = _parse_entry(stored, meta)
+        except ValueError as exc:
+            problems.append(f"{stored}: malformed header entry ({exc}); the file is corrupt")
+            continue
         if name in entries:
             problems.append(f"{stored}: duplicates {entries[name].stored_name} (same tensor under two names)")
             continue
