@@ -64,22 +64,23 @@ _DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "co
 
 
 def expose_dspark_keys(hf_config) -> None:
-    """Copy the DSpark keys from ``dflash_config`` to the attributes upstream modules read."""
+    """Copy the DSpark keys from ``dflash_config`` to the attributes upstream modules read.
+
+    Refuses a draft without a Markov head: it is a plain DFlash draft.
+    """
     dc = getattr(hf_config, "dflash_config", None) or {}
     for key in _DSPARK_KEYS:
         if key in dc and getattr(hf_config, key, None) is None:
             setattr(hf_config, key, dc[key])
-    if getattr(hf_config, "markov_rank", None) is None:
-        hf_config.markov_rank = 0
+    if not getattr(hf_config, "markov_rank", None):
+        raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); serve it "
+                         "with method 'dflash' instead")
 
 
 class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf_config = vllm_config.speculative_config.draft_model_config.hf_config
         expose_dspark_keys(hf_config)
-        if not hf_config.markov_rank:
-            raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); serve it "
-                             "with method 'dflash' instead")
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self._w2_norms: torch.Tensor | None = None

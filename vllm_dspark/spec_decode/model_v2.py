@@ -333,9 +333,6 @@ def _build_class():
         def __init__(self, *, vllm_config, prefix: str = ""):
             hf_config = vllm_config.speculative_config.draft_model_config.hf_config
             expose_dspark_keys(hf_config)
-            if not hf_config.markov_rank:
-                raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); serve "
-                                 "it with method 'dflash' instead")
             check_k3_worker(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             self._markov: MarkovStageWeights | None = None
