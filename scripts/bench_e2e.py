@@ -48,13 +48,16 @@ def _plots(rows: list[dict], out: Path) -> list[str]:
 
     made = []
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r in rows:
-        if r["batch_size"] == 1 and r["temperature"] == 0.0 and r.get("per_position_acceptance"):
-            pp = r["per_position_acceptance"]
-            ax.plot(range(1, len(pp) + 1), pp, marker="o", label=r["config"])
+    styles = ["-", "--", ":", "-."]
+    first_bs = min(r["batch_size"] for r in rows)
+    shown = [r for r in rows if r["batch_size"] == first_bs and r["temperature"] == 0.0
+             and r.get("per_position_acceptance")]
+    for i, r in enumerate(shown):  # overlapping curves stay visible through line style
+        pp = r["per_position_acceptance"]
+        ax.plot(range(1, len(pp) + 1), pp, marker="os^D"[i % 4], linestyle=styles[i % 4], label=r["config"])
     ax.set_xlabel("draft position")
     ax.set_ylabel("acceptance rate (accepted / draft steps)")
-    ax.set_title("Per-position acceptance, batch 1, greedy")
+    ax.set_title(f"Per-position acceptance, batch {first_bs}, greedy")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=8)
     fig.tight_layout()
