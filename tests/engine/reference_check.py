@@ -66,3 +66,27 @@ def match_sequence(record: dict, sequences: list[list[int]], first_request: int 
         return None
     assert seq[record["pos"]] == record["anchor"], (record, idx)
     return idx
+
+
+def check_trace_against_reference(trace: list[dict], sequences: list[list[int]], ref: ReferenceDrafter, *,
+                                  samples: int, threshold: float = 0.0, cap: int | None = None,
+                                  atol: float = 2e-3) -> int:
+    """Recompute about ``samples`` recorded steps; tokens, confidences and kept lengths must match.
+
+    fp32 engine against the fp32 reference: the confidences depend on every
+    backbone weight, so they check the whole parallel pass. Returns how many
+    steps were checked.
+    """
+    checked = 0
+    for rec in trace[:: max(1, len(trace) // samples)]:
+        idx = match_sequence(rec, sequences)
+        if idx is None:
+            continue
+        out = ref.step(sequences[idx], rec["pos"], threshold=threshold)
+        assert rec["draft"] == out.tokens[0].tolist(), rec
+        assert torch.allclose(torch.tensor(rec["confidence"]), out.confidence[0], atol=atol), \
+            (rec, out.confidence[0].tolist())
+        if cap is not None:
+            assert min(cap, int(out.lengths[0])) == rec["kept"], rec
+        checked += 1
+    return checked

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import MAX_TOKENS, make_prompts
-from tests.engine.reference_check import ReferenceDrafter, match_sequence
+from tests.engine.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, \
     verified_draft_tokens
 from vllm_dspark.testing.tiny import (drafter_config_for, expected_length, make_drafter, make_target,
@@ -85,14 +85,5 @@ def test_confidences_match_the_reference(runs, llama_pair):
     prompts, _, got, _, trace = runs
     sequences = [p + t for p, t in zip(prompts, got)]
     ref = ReferenceDrafter(llama_pair["target"], llama_pair["draft"])
-    checked = 0
-    for r in trace[:: max(1, len(trace) // 25)]:
-        idx = match_sequence(r, sequences)
-        if idx is None:
-            continue
-        out = ref.step(sequences[idx], r["pos"], threshold=THRESHOLD)
-        assert r["draft"] == out.tokens[0].tolist(), r
-        assert torch.allclose(torch.tensor(r["confidence"]), out.confidence[0], atol=2e-3), r
-        assert min(N, int(out.lengths[0])) == r["kept"]
-        checked += 1
+    checked = check_trace_against_reference(trace, sequences, ref, samples=25, threshold=THRESHOLD, cap=N)
     assert checked >= 8

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.engine.conftest import MAX_TOKENS
-from tests.engine.reference_check import ReferenceDrafter, match_sequence
+from tests.engine.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.testing.engine import (acceptance_summary, llm_engine, read_trace, spec_metrics,
                                         verified_draft_tokens)
 
@@ -65,17 +65,7 @@ def test_drafts_match_the_reference_drafter(greedy_run, qwen_pair, prompts):
     tokens, _, trace = greedy_run
     sequences = [p + t for p, t in zip(prompts, tokens)]
     ref = ReferenceDrafter(qwen_pair["target"], qwen_pair["draft"])
-    checked = 0
-    for rec in trace[:: max(1, len(trace) // 40)]:
-        idx = match_sequence(rec, sequences)
-        if idx is None:
-            continue
-        out = ref.step(sequences[idx], rec["pos"])
-        assert rec["draft"] == out.tokens[0].tolist(), rec
-        # fp32 engine vs fp32 reference: confidences depend on every backbone weight.
-        assert torch.allclose(torch.tensor(rec["confidence"]), out.confidence[0], atol=2e-3), \
-            (rec, len(prompts[idx]), out.confidence[0].tolist())
-        checked += 1
+    checked = check_trace_against_reference(trace, sequences, ref, samples=40)
     assert checked >= 10
 
 
