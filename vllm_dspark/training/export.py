@@ -28,6 +28,10 @@ def export_drafter(model: DSparkDraftModel, out_dir: Path, *, bos_token_id: int,
         "pad_token_id": pad_token_id,
     }
     path = save_checkpoint(out_dir, model.config, state, dtype=torch.bfloat16, extra_config=extra)
+    # save_checkpoint stages in a private temp dir; ship ordinary permissions.
+    Path(path).chmod(0o755)
+    for f in Path(path).iterdir():
+        f.chmod(0o644)
     # Keys sorted, as SpecForge's export writes them.
     cfg_path = Path(path) / "config.json"
     cfg_path.write_text(json.dumps(json.loads(cfg_path.read_text()), indent=2, sort_keys=True) + "\n")
