@@ -99,24 +99,34 @@ def stage_target(args, work: Path) -> None:
 
 
 def stage_generate(args, work: Path) -> None:
-    import pickle
+    import numpy as np
 
-    import torch
-
-    from vllm_dspark.training.capture import generate_distill_set, load_target
+    from vllm_dspark.training.capture import (DistillSet, generate_distill_set, greedy_decode_vllm,
+                                              load_target, sample_prompts)
     from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
     train, held = _streams(work, tok, special_ids(tok)["eos"])
     target = load_target(work / "target")
-    kw = dict(batch_size=64, new_tokens=args.gen_tokens, min_prompt=16, max_prompt=96)
-    rows = generate_distill_set(target, train, num_seqs=args.gen_seqs, seed=args.seed, log=log, **kw)
-    eval_rows = generate_distill_set(target, held, num_seqs=32, seed=args.seed + 1, log=log, **kw)
-    with open(work / "distill.pkl", "wb") as fh:
-        pickle.dump({"train": rows, "eval": eval_rows}, fh)
-    n_tok = sum(len(r["ids"]) for r in rows)
-    log(f"[generate] {len(rows)} train sequences ({n_tok} tokens), {len(eval_rows)} eval sequences")
-    del torch
+    layer_ids = _drafter_config(args, target, tok).target_layer_ids
+    kw = dict(min_prompt=16, max_prompt=64)
+    sets = {"eval": (held, 32, args.seed + 1), "train": (train, args.gen_seqs, args.seed)}
+    if args.gen_backend == "vllm":
+        prompts = {name: sample_prompts(stream, num_seqs=num, seed=seed, **kw)
+                   for name, (stream, num, seed) in sets.items()}
+        ids = greedy_decode_vllm(work / "target", prompts["eval"] + prompts["train"], args.gen_len,
+                                 seed=args.seed, log=log)
+        n_eval = len(prompts["eval"])
+        data = {"eval": (ids[:n_eval], np.array([len(p) for p in prompts["eval"]], np.int32)),
+                "train": (ids[n_eval:], np.array([len(p) for p in prompts["train"]], np.int32))}
+    else:
+        data = {name: generate_distill_set(target, stream, num_seqs=num, seed=seed, batch_size=128,
+                                           seq_len=args.gen_len, log=log, **kw)
+                for name, (stream, num, seed) in sets.items()}
+    for name, (ids, plens) in data.items():
+        DistillSet.build(target, ids, plens, layer_ids, work / f"distill_{name}", log=log)
+        log(f"[generate] {name}: {len(ids)} sequences, {int(np.sum(ids.shape[1] - plens))} "
+            f"generated tokens, features of target layers {list(layer_ids)}")
 
 
 def _drafter_config(args, target, tok):
@@ -132,28 +142,27 @@ def _drafter_config(args, target, tok):
 
 
 def stage_drafter(args, work: Path) -> None:
-    import pickle
-
     import torch
 
-    from vllm_dspark.training.capture import load_target
+    from vllm_dspark.training.capture import DistillSet, load_target
     from vllm_dspark.training.drafter import DrafterTrainArgs, init_drafter, train_drafter
     from vllm_dspark.training.tokenizer import load_tokenizer
 
     tok = load_tokenizer(work / "tokenizer")
     target = load_target(work / "target")
-    with open(work / "distill.pkl", "rb") as fh:
-        data = pickle.load(fh)
     cfg = _drafter_config(args, target, tok)
     model = init_drafter(cfg, seed=args.seed)
     n = sum(p.numel() for p in model.parameters())
     log(f"[drafter] {cfg.num_hidden_layers} layer(s), markov_rank {cfg.markov_rank}, "
         f"target_layer_ids {list(cfg.target_layer_ids)}: {n / 1e6:.2f} M parameters")
-    dargs = DrafterTrainArgs(steps=args.drafter_steps, seed=args.seed)
-    curve = train_drafter(model, target, data["train"], data["eval"], dargs, log=log)
+    dargs = DrafterTrainArgs(steps=args.drafter_steps, seed=args.seed,
+                             max_minutes=args.drafter_minutes or None)
+    curve = train_drafter(model, target, DistillSet(work / "distill_train"),
+                          DistillSet(work / "distill_eval"), dargs, log=log)
     torch.save({"config": cfg.to_hf_dict(), "state": model.state_dict()}, work / "drafter_fp32.pt")
     (work / "drafter_loss.json").write_text(json.dumps(
-        {"config": cfg.to_hf_dict(), "train_args": vars(dargs), "curve": curve}, indent=1))
+        {"config": cfg.to_hf_dict(), "train_args": vars(dargs), "steps_run": curve[-1]["step"],
+         "curve": curve}, indent=1))
     log(f"[drafter] saved to {work / 'drafter_fp32.pt'}")
 
 
@@ -215,14 +224,19 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab-size", type=int, default=5000)
     ap.add_argument("--num-heldout-prompts", type=int, default=64)
     ap.add_argument("--target-steps", type=int, default=240)
-    ap.add_argument("--gen-seqs", type=int, default=2048,
+    ap.add_argument("--gen-seqs", type=int, default=1024,
                     help="greedy target continuations the drafter trains on")
-    ap.add_argument("--gen-tokens", type=int, default=256)
+    ap.add_argument("--gen-len", type=int, default=256, help="tokens per sequence (prompt + greedy)")
+    ap.add_argument("--gen-backend", choices=("vllm", "hf"), default="vllm",
+                    help="greedy decoder for the distillation text (vLLM is much faster on CPU)")
     ap.add_argument("--draft-layers", type=int, default=1)
     ap.add_argument("--markov-rank", type=int, default=128)
     ap.add_argument("--target-layer-ids", default="",
                     help="comma-separated; default every other inner layer")
-    ap.add_argument("--drafter-steps", type=int, default=1500)
+    ap.add_argument("--drafter-steps", type=int, default=1200)
+    ap.add_argument("--drafter-minutes", type=float, default=30.0,
+                    help="wall-clock budget of the drafter stage's training loop (0: none, "
+                         "step-exact); the schedule ends at whichever comes first")
     args = ap.parse_args(argv)
 
     import torch

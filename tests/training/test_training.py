@@ -204,3 +204,31 @@ def test_bundled_pair_is_consistent():
     assert tcfg.head_dim in (32, 64, 80, 96, 112, 128)
     total = sum(p.stat().st_size for p in ASSETS.rglob("*") if p.is_file())
     assert total <= 50 * 10**6
+
+
+def test_distill_set_and_training_loop(tmp_path, target, drafter_config):
+    """Generate -> capture -> a few training steps, end to end on the tiny target."""
+    from vllm_dspark.training.capture import DistillSet, generate_distill_set
+    from vllm_dspark.training.drafter import train_drafter
+
+    cfg = drafter_config
+    stream = np.random.RandomState(0).randint(3, VOCAB, 500).astype(np.int32)
+    ids, plens = generate_distill_set(target, stream, num_seqs=6, batch_size=4, seq_len=32,
+                                      min_prompt=4, max_prompt=8, seed=0, log=lambda *_: None)
+    assert ids.shape == (6, 32) and plens.min() >= 4
+    data = DistillSet.build(target, ids, plens, cfg.target_layer_ids, tmp_path / "d",
+                            batch_size=4, log=lambda *_: None)
+    got_ids, got_plens, aux, logits = data.get([5, 1])
+    ref = target_pass(target, torch.from_numpy(ids[[5, 1]]).long(), cfg.target_layer_ids)
+    assert torch.equal(got_ids, torch.from_numpy(ids[[5, 1]]).long())
+    torch.testing.assert_close(aux, ref.aux.to(torch.bfloat16).float())
+    torch.testing.assert_close(logits, ref.logits.to(torch.bfloat16).float())
+    # Greedy text: past the prompt each token is the target's argmax of the previous position.
+    p = int(plens[0])
+    tf = target(input_ids=torch.from_numpy(ids[:1]).long()).logits.argmax(-1)[0]
+    assert (tf[p - 1:-1] == torch.from_numpy(ids[0, p:]).long()).float().mean() > 0.9
+    model = init_drafter(cfg, seed=0)
+    args = DrafterTrainArgs(steps=3, batch_size=2, anchors_per_seq=3, log_every=1, eval_every=3,
+                            warmup_steps=1)
+    curve = train_drafter(model, target, data, data, args, log=lambda *_: None)
+    assert len(curve) == 3 and "eval" in curve[-1]

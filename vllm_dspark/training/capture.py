@@ -74,25 +74,135 @@ def greedy_generate(target, prompts: torch.Tensor, new_tokens: int) -> torch.Ten
 
 
 def generate_distill_set(target, stream: np.ndarray, *, num_seqs: int, batch_size: int,
-                         new_tokens: int, min_prompt: int, max_prompt: int, seed: int,
-                         log=print) -> list[dict]:
+                         seq_len: int, min_prompt: int, max_prompt: int, seed: int,
+                         log=print) -> tuple[np.ndarray, np.ndarray]:
     """Greedy continuations of random train-stream windows (the drafter's training text).
 
-    Returns rows ``{"ids": int32 array, "prompt_len": int}``. Each batch shares one
-    prompt length so no padding is needed.
+    Every sequence has ``seq_len`` tokens: a prompt of ``min_prompt..max_prompt``
+    corpus tokens (one length per batch, so no padding) and the target's greedy
+    continuation. Returns ``(ids [num_seqs, seq_len] int32, prompt_lens [num_seqs])``.
     """
     gen = torch.Generator().manual_seed(seed)
-    rows: list[dict] = []
+    ids = np.zeros((num_seqs, seq_len), dtype=np.int32)
+    plens = np.zeros(num_seqs, dtype=np.int32)
+    done = 0
     t0 = time.time()
-    while len(rows) < num_seqs:
-        n = min(batch_size, num_seqs - len(rows))
+    while done < num_seqs:
+        n = min(batch_size, num_seqs - done)
         plen = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=gen))
         starts = torch.randint(0, len(stream) - plen, (n,), generator=gen).tolist()
         prompts = torch.from_numpy(np.stack([stream[s:s + plen] for s in starts])).long()
-        seqs = greedy_generate(target, prompts, new_tokens)
-        for row in seqs:
-            rows.append({"ids": row.numpy().astype(np.int32), "prompt_len": plen})
-        el = time.time() - t0
-        log(f"[generate] {len(rows)}/{num_seqs} sequences ({plen}+{new_tokens} tokens) "
-            f"{el / 60:.1f}m elapsed")
-    return rows
+        seqs = greedy_generate(target, prompts, seq_len - plen)
+        ids[done:done + n] = seqs.numpy()
+        plens[done:done + n] = plen
+        done += n
+        log(f"[generate] {done}/{num_seqs} sequences ({plen}+{seq_len - plen} tokens) "
+            f"{(time.time() - t0) / 60:.1f}m elapsed")
+    return ids, plens
+
+
+def sample_prompts(stream: np.ndarray, *, num_seqs: int, min_prompt: int, max_prompt: int,
+                   seed: int, batch_size: int = 128) -> list[list[int]]:
+    """Random windows of a token stream, one length per group of ``batch_size``."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts: list[list[int]] = []
+    while len(prompts) < num_seqs:
+        n = min(batch_size, num_seqs - len(prompts))
+        plen = int(torch.randint(min_prompt, max_prompt + 1, (1,), generator=gen))
+        starts = torch.randint(0, len(stream) - plen, (n,), generator=gen).tolist()
+        prompts += [[int(t) for t in stream[s:s + plen]] for s in starts]
+    return prompts
+
+
+def greedy_decode_vllm(target_dir, prompts: list[list[int]], seq_len: int, *, seed: int = 0,
+                       max_num_seqs: int = 128, log=print) -> np.ndarray:
+    """Greedy continuations to ``seq_len`` tokens, decoded by vLLM: [len(prompts), seq_len] int32.
+
+    vLLM batches the greedy decode far better than a Python loop over the HF
+    model on a CPU. Its bf16 kernels may break a near-tie differently from the
+    HF forward; the drafter's labels are the HF target's argmax recomputed at
+    capture time, so such a token only puts that spot of text slightly
+    off-chain.
+    """
+    import os
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model=str(target_dir), dtype="bfloat16", max_model_len=seq_len + 8,
+              enforce_eager=True, max_num_seqs=max_num_seqs, seed=seed)
+    params = [SamplingParams(temperature=0.0, max_tokens=seq_len - len(p),
+                             min_tokens=seq_len - len(p), ignore_eos=True) for p in prompts]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ids = np.zeros((len(prompts), seq_len), dtype=np.int32)
+    for i, (p, o) in enumerate(zip(prompts, outs)):
+        ids[i] = (p + list(o.outputs[0].token_ids))[:seq_len]
+    del llm
+    log(f"[generate] vLLM decoded {len(prompts)} sequences of {seq_len} tokens in "
+        f"{(time.time() - t0) / 60:.1f}m")
+    return ids
+
+
+class DistillSet:
+    """Greedy sequences with the target's aux features and logits, memory-mapped.
+
+    Files in ``directory``: ``ids.npy`` [N, L] int32, ``prompt_lens.npy`` [N],
+    ``aux.npy`` [N, L, n_aux * H] and ``logits.npy`` [N, L, V], both bf16 stored
+    as uint16 (numpy has no bf16).
+    """
+
+    def __init__(self, directory):
+        from pathlib import Path
+
+        d = Path(directory)
+        self.ids = np.load(d / "ids.npy")
+        self.prompt_lens = np.load(d / "prompt_lens.npy")
+        self.aux = np.load(d / "aux.npy", mmap_mode="r")
+        self.logits = np.load(d / "logits.npy", mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    @staticmethod
+    def _bf16(a: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(a)).view(torch.bfloat16)
+
+    def get(self, idx: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
+        """(ids [n, L] int64, prompt lens, aux [n, L, A] fp32, logits [n, L, V] fp32)."""
+        idx_sorted = sorted(idx)
+        order = [idx_sorted.index(i) for i in idx]
+        aux = self._bf16(self.aux[idx_sorted])[order].float()
+        logits = self._bf16(self.logits[idx_sorted])[order].float()
+        ids = torch.from_numpy(self.ids[idx]).long()
+        return ids, [int(self.prompt_lens[i]) for i in idx], aux, logits
+
+    @staticmethod
+    @torch.no_grad()
+    def build(target, ids: np.ndarray, prompt_lens: np.ndarray, target_layer_ids, directory,
+              batch_size: int = 16, log=print) -> "DistillSet":
+        """Run the target teacher-forced over ``ids`` and write the arrays."""
+        from pathlib import Path
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        n, length = ids.shape
+        np.save(d / "ids.npy", ids)
+        np.save(d / "prompt_lens.npy", prompt_lens)
+        a_dim = len(target_layer_ids) * target.config.hidden_size
+        aux = np.lib.format.open_memmap(d / "aux.npy", mode="w+", dtype=np.uint16,
+                                        shape=(n, length, a_dim))
+        logits = np.lib.format.open_memmap(d / "logits.npy", mode="w+", dtype=np.uint16,
+                                           shape=(n, length, target.config.vocab_size))
+        t0 = time.time()
+        for s in range(0, n, batch_size):
+            tp = target_pass(target, torch.from_numpy(ids[s:s + batch_size]).long(), target_layer_ids)
+            aux[s:s + batch_size] = tp.aux.to(torch.bfloat16).view(torch.uint16).numpy()
+            logits[s:s + batch_size] = tp.logits.to(torch.bfloat16).view(torch.uint16).numpy()
+            if (s // batch_size) % 8 == 0:
+                log(f"[capture] {min(n, s + batch_size)}/{n} sequences "
+                    f"{(time.time() - t0) / 60:.1f}m elapsed")
+        aux.flush()
+        logits.flush()
+        del aux, logits
+        return DistillSet(d)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import DSparkDraftModel
-from vllm_dspark.training.capture import target_embed_and_head, target_pass
+from vllm_dspark.training.capture import target_embed_and_head
 
 
 def build_drafter_config(target_config, *, mask_token_id: int, target_layer_ids,
@@ -101,6 +101,12 @@ class DrafterTrainArgs:
     log_every: int = 10
     eval_every: int = 100
     seed: int = 0
+    # Wall-clock budget (minutes) or None. When set, the cosine schedule advances by
+    # max(step / steps, elapsed / budget) and training stops when either runs out,
+    # so a contended machine still ends with a decayed learning rate. The steps
+    # actually run are recorded; rerun with that step count and no budget to repeat
+    # the run exactly.
+    max_minutes: float | None = None
 
 
 @dataclass
@@ -199,30 +205,35 @@ def drafter_loss(model: DSparkDraftModel, batch: BlockBatch, embed: torch.Tensor
     return loss, metrics
 
 
-def cosine_lr(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
+def cosine_lr(progress: float, step: int, base: float, warmup: int, min_ratio: float) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine to ``min_ratio`` over ``progress`` in [0, 1]."""
     if step < warmup:
         return base * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
+    t = min(1.0, max(0.0, progress))
     return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
-def make_batch(target, config: DSparkConfig, rows: list[dict], idx: list[int],
-               args: DrafterTrainArgs, gen: torch.Generator) -> BlockBatch:
-    ids = torch.from_numpy(np.stack([rows[i]["ids"] for i in idx])).long()
-    tp = target_pass(target, ids, config.target_layer_ids)
+def make_batch(data, config: DSparkConfig, idx: list[int], args: DrafterTrainArgs,
+               gen: torch.Generator) -> BlockBatch:
+    """Blocks at random anchors of the sequences ``idx`` of a :class:`DistillSet`."""
+    ids, plens, aux, logits = data.get(idx)
     # Anchors from the end of the prompt on: there the text is the target's own
     # greedy chain, so the labels are exactly what verification would accept.
-    low = [rows[i]["prompt_len"] - 1 for i in idx]
+    low = [p - 1 for p in plens]
     anchors = sample_anchors([ids.shape[1]] * len(idx), low, args.anchors_per_seq,
                              config.block_size, gen)
-    return build_blocks(config, tp.aux.float(), tp.logits, ids, anchors)
+    return build_blocks(config, aux, logits, ids, anchors)
 
 
-def train_drafter(model: DSparkDraftModel, target, train_rows: list[dict], eval_rows: list[dict],
+def train_drafter(model: DSparkDraftModel, target, train_data, eval_data,
                   args: DrafterTrainArgs, log=print) -> list[dict]:
-    """Train ``model`` in place; returns the loss curve (rows every ``log_every`` steps)."""
+    """Train ``model`` in place on :class:`DistillSet` s; returns the loss curve.
+
+    ``target`` is only used for its embedding and LM head (the features and
+    logits were captured beforehand).
+    """
     embed, lm_head = target_embed_and_head(target)
-    embed, lm_head = embed.detach(), lm_head.detach()
+    embed, lm_head = embed.detach().float(), lm_head.detach().float()
     gen = torch.Generator().manual_seed(args.seed)
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
@@ -230,28 +241,36 @@ def train_drafter(model: DSparkDraftModel, target, train_rows: list[dict], eval_
                              {"params": no_decay, "weight_decay": 0.0}],
                             lr=args.lr, betas=(0.9, 0.95))
     eval_gen = torch.Generator().manual_seed(args.seed + 1)
-    eval_idx = list(range(min(len(eval_rows), 2 * args.batch_size)))
-    eval_batches = [make_batch(target, model.config, eval_rows, eval_idx[i:i + args.batch_size],
-                               args, eval_gen) for i in range(0, len(eval_idx), args.batch_size)]
+    eval_idx = list(range(min(len(eval_data), 4 * args.batch_size)))
+    eval_batches = [make_batch(eval_data, model.config, eval_idx[i:i + args.batch_size], args, eval_gen)
+                    for i in range(0, len(eval_idx), args.batch_size)]
     curve: list[dict] = []
     order: list[int] = []
     t0 = time.time()
     model.train()
+    budget_s = None if not args.max_minutes else 60.0 * args.max_minutes
     for step in range(args.steps):
-        lr = cosine_lr(step, args.steps, args.lr, args.warmup_steps, args.min_lr_ratio)
+        progress = step / args.steps
+        if budget_s is not None:
+            progress = max(progress, (time.time() - t0) / budget_s)
+            if progress >= 1.0:
+                log(f"[drafter] time budget of {args.max_minutes} min reached after {step} steps")
+                break
+        lr = cosine_lr(progress, step, args.lr, args.warmup_steps, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
         if len(order) < args.batch_size:
-            order += torch.randperm(len(train_rows), generator=gen).tolist()
+            order += torch.randperm(len(train_data), generator=gen).tolist()
         idx, order = order[:args.batch_size], order[args.batch_size:]
-        batch = make_batch(target, model.config, train_rows, idx, args, gen)
+        batch = make_batch(train_data, model.config, idx, args, gen)
         loss, m = drafter_loss(model, batch, embed, lm_head, args)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
         opt.step()
         elapsed = time.time() - t0
-        last = step + 1 == args.steps
+        last = step + 1 == args.steps or (
+            budget_s is not None and (time.time() - t0) / budget_s >= 1.0)
         if (step + 1) % args.log_every == 0 or last:
             row = {"step": step + 1, "lr": lr, "grad_norm": gnorm, "elapsed_s": round(elapsed, 1),
                    **{k: v for k, v in m.items()}}
@@ -266,6 +285,8 @@ def train_drafter(model: DSparkDraftModel, target, train_rows: list[dict], eval_
                 msg += (f" | eval tf_len {e['tf_accept_len']:.2f} "
                         f"(no markov {e['tf_accept_len_no_markov']:.2f}) tv {e['tv']:.3f}")
             log(msg)
+        if last:
+            break
     model.eval()
     return curve
 
