@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -75,8 +74,6 @@ def _streams(work: Path, tok, eos: int):
 
 
 def stage_target(args, work: Path) -> None:
-    import torch
-
     from vllm_dspark.training.target import (TargetShape, TargetTrainArgs, build_target,
                                              save_target, shape_dict)
     from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
@@ -95,7 +92,6 @@ def stage_target(args, work: Path) -> None:
     (work / "target_loss.json").write_text(json.dumps(
         {"shape": shape_dict(shape), "train_args": vars(targs), "curve": curve}, indent=1))
     log(f"[target] saved to {work / 'target'}")
-    del torch
 
 
 def stage_generate(args, work: Path) -> None:

@@ -27,7 +27,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
