@@ -80,7 +80,8 @@ def _print_inspect(info: dict) -> None:
               f"MLP {info['intermediate_size']}")
         print(f"  block           {info['block_size']} queries, {lay}: {info['draft_tokens_per_step']} drafts, "
               f"{info['verified_tokens_per_step']} verified tokens per step")
-        print(f"  target layers   {info['target_layer_ids']} of {info['num_target_layers']} "
+        of = info["num_target_layers"] if info["num_target_layers"] is not None else "? (not recorded)"
+        print(f"  target layers   {info['target_layer_ids']} of {of} "
               f"(vLLM aux indices {info['vllm_aux_layer_ids']})")
         print(f"  vocab           {info['vocab_size']} (mask token {info['mask_token_id']})")
         markov = f"rank {info['markov_rank']} ({info['markov_head_type']})" if info["markov_rank"] else "none"

@@ -66,7 +66,8 @@ class DSparkConfig:
     target_layer_ids: tuple[int, ...] = _desc(
         "Target layers whose OUTPUT feeds the drafter (0-based; vLLM's aux index is id + 1).",
         (1, 9, 17, 25, 33))
-    num_target_layers: int = _desc("Decoder layer count of the target the drafter was trained on.", 36)
+    num_target_layers: int | None = _desc(
+        "Decoder layer count of the target the drafter was trained on (None: not recorded in the export).", 36)
     target_hidden_size: int | None = _desc("Target hidden size if different from hidden_size.", None)
     mask_token_id: int = _desc("Token id fed at the masked query positions.", 151669)
     markov_rank: int = _desc("Rank of the Markov logit-bias head (0 = no Markov head).", 256)
@@ -98,9 +99,10 @@ class DSparkConfig:
                 p.append(f"{name}: got {v!r}, expected a positive integer; fix {name} in config.json")
 
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings",
-                     "block_size", "num_target_layers"):
+                     "head_dim", "intermediate_size", "vocab_size", "max_position_embeddings", "block_size"):
             positive(name)
+        if self.num_target_layers is not None:
+            positive("num_target_layers")
         if p:
             return p  # later checks divide by these
         if self.num_attention_heads % self.num_key_value_heads:
@@ -118,7 +120,9 @@ class DSparkConfig:
         if not self.target_layer_ids:
             p.append("dflash_config.target_layer_ids: empty; the drafter needs at least one target layer")
         for i in self.target_layer_ids:
-            if not 0 <= i < self.num_target_layers:
+            if i < 0:
+                p.append(f"dflash_config.target_layer_ids: layer {i} is negative; ids are 0-based layer indices")
+            elif self.num_target_layers is not None and i >= self.num_target_layers:
                 p.append(
                     f"dflash_config.target_layer_ids: layer {i} is outside the target's "
                     f"{self.num_target_layers} layers (valid 0..{self.num_target_layers - 1}); "
@@ -230,7 +234,7 @@ class DSparkConfig:
             dtype=str(d.get("dtype", d.get("torch_dtype", "bfloat16"))),
             block_size=pick("block_size", 7),
             target_layer_ids=tuple(pick("target_layer_ids", ()) or ()),
-            num_target_layers=pick("num_target_layers", 0),
+            num_target_layers=pick("num_target_layers", None),
             target_hidden_size=pick("target_hidden_size", None),
             mask_token_id=pick("mask_token_id", -1),
             markov_rank=pick("markov_rank", 0),
@@ -243,10 +247,10 @@ class DSparkConfig:
             query_layout=layout,
             sample_from_anchor=bool(pick("sample_from_anchor", True)),
         )
-        if not kwargs["num_target_layers"]:
-            problems.append("num_target_layers: missing; SpecForge exports record the target's layer count "
-                            "at the top level or in dflash_config")
-            kwargs["num_target_layers"] = max(kwargs["target_layer_ids"] or (0,)) + 1
+        if kwargs["num_target_layers"] is None:
+            # Not every export records it; the fit to a real target is still checked
+            # (layer ids against the target's layers) when serving or with inspect --target.
+            pass
         if "mask_token_id" not in dc and "mask_token_id" not in d:
             problems.append("dflash_config.mask_token_id: missing; the drafter cannot build its query block")
             kwargs["mask_token_id"] = 0
@@ -311,7 +315,7 @@ class DSparkConfig:
             "num_attention_heads": self.num_attention_heads,
             "num_hidden_layers": self.num_hidden_layers,
             "num_key_value_heads": self.num_key_value_heads,
-            "num_target_layers": self.num_target_layers,
+            **({"num_target_layers": self.num_target_layers} if self.num_target_layers is not None else {}),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_parameters": rope_parameters,
             "sliding_window": None,

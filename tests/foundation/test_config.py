@@ -119,13 +119,22 @@ def test_mask_token_outside_vocab_is_refused(mask_id):
     assert str(mask_id) in msg and "vocab_size=163840" in msg
 
 
-def test_missing_mask_token_and_target_layers_count_are_reported():
+def test_missing_mask_token_is_reported():
     d = k3_dict()
     del d["dflash_config"]["mask_token_id"]
-    del d["num_target_layers"]
     err = _refused(d)
     assert any("mask_token_id: missing" in p for p in err.problems), err.problems
-    assert any("num_target_layers: missing" in p for p in err.problems), err.problems
+
+
+def test_missing_target_layer_count_is_allowed_but_ids_are_still_checked():
+    d = k3_dict()
+    del d["num_target_layers"]
+    cfg = DSparkConfig.from_dict(d)
+    assert cfg.num_target_layers is None
+    assert "num_target_layers" not in cfg.to_hf_dict()
+    d["dflash_config"]["target_layer_ids"] = [-1, 3]
+    msg = _only_problem(_refused(d), "target_layer_ids")
+    assert "-1" in msg
 
 
 def test_every_problem_is_listed_at_once():

@@ -231,7 +231,7 @@ def check_target_compat(draft: DSparkConfig, target: str | Path | Mapping[str, A
                 p.append(f"target_layer_ids: layer {i} needs vLLM aux index {i + 1}, but the target has "
                          f"{layers} layers (aux indices 0..{layers}, ids 0..{layers - 1}); {AUX_CONVENTION}; "
                          "use a drafter trained for this target or fix dflash_config.target_layer_ids")
-        if draft.num_target_layers != layers:
+        if draft.num_target_layers is not None and draft.num_target_layers != layers:
             p.append(f"num_target_layers: the drafter was trained on a target with {draft.num_target_layers} "
                      f"layers but this target has {layers}; its target_layer_ids "
                      f"{list(draft.target_layer_ids)} were chosen for that depth: use a drafter trained "
