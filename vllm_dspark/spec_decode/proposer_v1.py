@@ -45,17 +45,18 @@ class EarlyStopStats:
         self.steps = 0
         self.requests = 0  # request-steps that drafted
         self.requests_cut = 0  # request-steps whose kept draft is shorter than the block
-        self.tokens_drafted = 0  # draft tokens the drafter produced
+        self.tokens_drafted = 0  # draft tokens that would be verified without the gate
         self.tokens_kept = 0  # draft tokens sent to the target for verification
         self.empty_drafts = 0
         self._lock = threading.Lock()
 
-    def add(self, block: int, kept: list[int]) -> None:
+    def add(self, cap: int, kept: list[int]) -> None:
+        """One draft step: ``cap`` tokens per request would be verified without the gate."""
         with self._lock:
             self.steps += 1
             self.requests += len(kept)
-            self.requests_cut += sum(1 for k in kept if k < block)
-            self.tokens_drafted += block * len(kept)
+            self.requests_cut += sum(1 for k in kept if k < cap)
+            self.tokens_drafted += cap * len(kept)
             self.tokens_kept += sum(kept)
             self.empty_drafts += sum(1 for k in kept if k == 0)
 
@@ -171,13 +172,16 @@ class DSparkProposer(DFlashProposer):
         if self._last_lengths is None or drafts.numel() == 0:
             return drafts[:, :requested] if torch.is_tensor(drafts) else drafts
         cap = min(requested, self.settings.num_draft_tokens)
+        if not self.settings.cuts_drafts and not self.settings.trace_path:
+            # Nothing to cut and nothing to record: no device-to-host copy on this path.
+            return drafts[:, :cap] if cap < drafts.shape[1] else drafts
         keep = self._last_lengths.clamp(max=cap).tolist()
-        self.stats.add(self.dspark_config.num_draft_tokens, keep)
+        self.stats.add(cap, keep)  # a draft counts as cut when the gate kept fewer than `cap`
         if self.settings.trace_path:
             self._trace(drafts, keep)
         self._maybe_log()
         if cap == drafts.shape[1] and self.settings.threshold == 0.0:
-            return drafts  # nothing cut: keep the tensor path
+            return drafts
         rows = drafts.tolist()
         return [row[:k] for row, k in zip(rows, keep)]
 
