@@ -5,8 +5,9 @@
 
 One engine per configuration, all in this run, on held-out prompts:
 no speculation, vLLM's n-gram speculator, the drafter with its Markov head
-disabled (the DFlash-style ablation), DSpark, and DSpark with the
-confidence-gated early stop; batch 1, 8 and 32; greedy and temperature 1.0.
+disabled (the DFlash-style ablation), DSpark, DSpark with the confidence-gated
+early stop, and DSpark with probabilistic drafts; batch 1, 8 and 32; greedy and
+temperature 1.0.
 Writes ``results.json``, ``report.md`` and PNG plots (acceptance per position,
 tokens/s per configuration) into ``--out``. Speed is reported as a ratio to the
 no-speculation engine of the same run.

@@ -26,7 +26,7 @@ class EngineConfig:
 
 
 def standard_configs(draft: str, block: int, threshold: float = 0.3) -> list[EngineConfig]:
-    """The five configurations of the side-by-side benchmark."""
+    """The configurations of the side-by-side benchmark."""
     dspark = {"method": "dspark", "model": draft, "num_speculative_tokens": block}
     return [
         EngineConfig("no-spec"),
@@ -36,6 +36,8 @@ def standard_configs(draft: str, block: int, threshold: float = 0.3) -> list[Eng
         EngineConfig("dspark", dspark),
         EngineConfig(f"dspark-early-stop-{threshold:g}", dspark,
                      {"VLLM_DSPARK_CONFIDENCE_THRESHOLD": str(threshold)}),
+        # Drafts sampled at the request's temperature (greedy requests still draft greedily).
+        EngineConfig("dspark-probabilistic", {**dspark, "draft_sample_method": "probabilistic"}),
     ]
 
 

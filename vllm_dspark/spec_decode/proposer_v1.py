@@ -10,7 +10,10 @@ changes three things:
    ``one_plus_n`` checkpoints keep upstream's layout.
 2. The sequential stage. Rows are not argmaxed independently: the Markov draft
    op adds ``markov_w2 @ markov_w1[prev]`` left to right from the anchor and
-   computes each position's confidence.
+   computes each position's confidence. Drafts are greedy, or with
+   ``draft_sample_method: "probabilistic"`` sampled at each request's
+   temperature from the Markov-corrected distribution, whose probabilities go to
+   the rejection sampler.
 3. What the target verifies. Each request keeps the first
    ``min(num_speculative_tokens, L)`` drafts, where L is the longest prefix whose
    running product of confidences stays at or above the threshold, so the target
@@ -109,11 +112,6 @@ class DSparkProposer(DFlashProposer):
         self._last_lengths: torch.Tensor | None = None
         self._last_conf: torch.Tensor | None = None
         self._last_path: str | None = None
-        if self._enable_probabilistic_draft_probs:
-            logger.warning("vllm_dspark: draft_sample_method='probabilistic' is not supported by the DSpark "
-                           "V1 proposer; it drafts greedily (still lossless: the target's rejection sampler "
-                           "treats greedy drafts as deterministic proposals)")
-            self._enable_probabilistic_draft_probs = False
         logger.info("vllm_dspark: DSpark proposer ready: %s layout, block %d, keeps %d drafts, "
                     "early-stop threshold %g (%s)%s", cfg.query_layout, self.block,
                     self.settings.num_draft_tokens, self.settings.threshold, self.settings.threshold_source,
@@ -151,17 +149,43 @@ class DSparkProposer(DFlashProposer):
         if conf_base is not None:
             conf_base = conf_base.view(batch, d)
         anchors = self._anchor_ids[:batch].to(torch.int64)
-        greedy = torch.zeros(batch, dtype=torch.float32, device=base.device)
-        seeds = torch.zeros(batch, dtype=torch.int64, device=base.device)
+        temperature, seeds, sampled = self._draft_sampling(sampling_metadata, batch, base.device)
         w2, w2_norms = model.markov_w2, model.markov_w2_row_norms()
         if not self.settings.use_markov:  # the ablation: no bias, rows argmaxed independently
             w2, w2_norms = model.markov_w2_zeros(), torch.zeros_like(w2_norms)
         out = markov_draft(
             base, anchors, model.markov_w1, w2, w2_norms,
-            conf_base, conf_w, greedy, seeds, self.settings.threshold)
+            conf_base, conf_w, temperature, seeds, self.settings.threshold, return_logits=sampled)
         self._last_lengths, self._last_conf = out.lengths, out.conf
         self._last_path = last_path()
-        return out.tokens.reshape(-1), None
+        if not sampled:
+            return out.tokens.reshape(-1), None
+        # The op drew token i as argmax(logits_i / T + Gumbel), i.e. from softmax(logits_i / T) with
+        # logits_i the Markov-corrected logits given the drafted prefix: exactly the q the target's
+        # rejection sampler must see. Greedy requests' rows are never read by it.
+        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+        probs = torch.softmax(out.logits / t[:, None, None], dim=-1)
+        return out.tokens.reshape(-1), probs.reshape(batch * d, -1)
+
+    def _draft_sampling(self, sampling_metadata, batch: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """(temperature [R], Gumbel seeds [R], sampled?) for this step's drafts.
+
+        Greedy unless ``draft_sample_method`` is 'probabilistic' and some request samples.
+        Seeds come from each seeded request's own generator (reproducible) and from
+        torch's global generator otherwise, so every step draws fresh noise.
+        """
+        zeros = torch.zeros(batch, dtype=torch.float32, device=device)
+        seeds = torch.zeros(batch, dtype=torch.int64, device=device)
+        temps = getattr(sampling_metadata, "temperature", None)
+        if (not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy or temps is None):
+            return zeros, seeds, False
+        temperature = temps[:batch].to(device=device, dtype=torch.float32).clamp(min=0.0)
+        draws = torch.randint(0, 2 ** 62, (batch,), dtype=torch.int64)
+        for i, gen in sampling_metadata.generators.items():
+            if i < batch:
+                draws[i] = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, generator=gen,
+                                         device=gen.device).cpu()[0]
+        return temperature, draws.to(device), True
 
     # ------------------------------------------------------------------ cut + account
     def propose(self, num_speculative_tokens, *args, **kwargs):
