@@ -15,7 +15,7 @@ import torch
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import DSparkDraftModel, count_parameters, expected_tensor_shapes
 from vllm_dspark.model.rope import apply_rope, rope_inv_freq_and_scale
-from vllm_dspark.testing.tiny import bigram_chain, expected_length, make_drafter, random_bigram
+from vllm_dspark.testing.tiny import bigram_chain, expected_length, make_drafter, random_bigram, random_drafter
 
 from .conftest import K3_CONFIG, QWEN3_CONFIG, tiny_config
 
@@ -23,15 +23,7 @@ CTX = 6  # context tokens per request in these tests
 
 
 def _model(cfg: DSparkConfig, seed: int = 0, scale: float = 0.2) -> DSparkDraftModel:
-    g = torch.Generator().manual_seed(seed)
-    model = DSparkDraftModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2, generator=g)
-            else:
-                p.normal_(0.0, scale, generator=g)
-    return model.eval()
+    return random_drafter(cfg, seed=seed, scale=scale).eval()
 
 
 def _inputs(cfg: DSparkConfig, n: int, seed: int = 1):

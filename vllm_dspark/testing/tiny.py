@@ -138,6 +138,20 @@ def drafter_config_for(target_dir: str | Path, *, block_size: int = 7, target_la
         confidence_head_with_markov=with_markov and confidence and markov_rank > 0)
 
 
+def random_drafter(config: DSparkConfig, *, generator: torch.Generator | None = None, seed: int = 0,
+                   scale: float = 0.05) -> DSparkDraftModel:
+    """A reference drafter with every weight random: norms in [0.8, 1.2], the rest N(0, scale^2)."""
+    g = generator if generator is not None else torch.Generator().manual_seed(seed)
+    model = DSparkDraftModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.8, 1.2, generator=g)
+            else:
+                p.normal_(0.0, scale, generator=g)
+    return model
+
+
 def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random", bigram: torch.Tensor | None = None,
                  confidence_by_prev: torch.Tensor | None = None, seed: int = 0, scale: float = 0.05,
                  backbone_scale: float = 0.0, legacy_names: bool = False) -> Path:
@@ -152,13 +166,8 @@ def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random"
     confidence from its previous token alone.
     """
     g = torch.Generator().manual_seed(seed)
-    model = DSparkDraftModel(config)
+    model = random_drafter(config, generator=g, scale=scale)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.8, 1.2, generator=g)
-            else:
-                p.normal_(0.0, scale, generator=g)
         if mode == "oracle":
             if bigram is None or model.markov_head is None:
                 raise ValueError("oracle mode needs a bigram table and markov_rank > 0")
@@ -227,6 +236,6 @@ def expected_length(conf: list[float], threshold: float) -> int:
     return n
 
 
-__all__ = ["make_tokenizer", "make_target", "make_drafter", "drafter_config_for", "random_bigram",
+__all__ = ["make_tokenizer", "make_target", "make_drafter", "random_drafter", "drafter_config_for", "random_bigram",
            "bigram_chain", "expected_length", "TOKEN_IDS"]
 
