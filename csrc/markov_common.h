@@ -20,6 +20,41 @@
 
 namespace dspark {
 
+// Single correctly rounded fp32 operations. On the device they are written as
+// PTX `add/sub/mul/div.rn.f32` without `.ftz`: an inline-asm instruction is
+// never contracted into an FMA, never replaced by an approximate division and
+// keeps subnormals, whatever -fmad / -prec-div / -ftz / --use_fast_math say
+// (nvcc 13 defines no macro for --use_fast_math, so the score path has to be
+// immune rather than only guarded). On the host the builds use -std=c++17
+// (GCC: -ffp-contract=off), so the plain operators are single IEEE operations.
+#if defined(__CUDA_ARCH__)
+DSPARK_HD float add_rn(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+DSPARK_HD float sub_rn(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+DSPARK_HD float mul_rn(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+DSPARK_HD float div_rn(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+#else
+DSPARK_HD float add_rn(float a, float b) { return a + b; }
+DSPARK_HD float sub_rn(float a, float b) { return a - b; }
+DSPARK_HD float mul_rn(float a, float b) { return a * b; }
+DSPARK_HD float div_rn(float a, float b) { return a / b; }
+#endif
+
 // ---------------------------------------------------------------------------
 // Counter-based hash for seeded Gumbel noise (reference: gumbel_hash).
 // ---------------------------------------------------------------------------
@@ -81,11 +116,9 @@ DSPARK_HD void gumbel_bounds(uint32_t h, float* lo, float* hi) {
 // ---------------------------------------------------------------------------
 // Scores (reference: `logits / T + g` in fp32, or `logits` when greedy).
 // ---------------------------------------------------------------------------
-// Separate statements keep the two fp32 roundings (no contraction possible
-// between a division and an addition).
+// Two fp32 roundings, as the reference's `logits / T + g`.
 DSPARK_HD float sampled_score(float logit, float temperature, float g) {
-  const float t = logit / temperature;
-  return t + g;
+  return add_rn(div_rn(logit, temperature), g);
 }
 
 // Strictly better in the reference's argmax order (ties -> lowest index).
@@ -113,22 +146,23 @@ DSPARK_HD float bound_scale(double e_norm) {
 }
 
 DSPARK_HD float bias_bound(float w2_norm, float scale) {
-  return w2_norm * scale + kBoundAbs;
+  return add_rn(mul_rn(w2_norm, scale), kBoundAbs);
 }
 
 // ---------------------------------------------------------------------------
-// Confidence and early stop (reference: sigmoid in fp64, returned as fp32; the
-// running product is taken in fp64 over the fp32 confidences).
+// Confidence and draft length (reference: sigmoid in fp64, returned as fp32).
 // ---------------------------------------------------------------------------
 DSPARK_HD float confidence(double z) {
   return static_cast<float>(1.0 / (1.0 + ::exp(-z)));
 }
 
-// One step of the early stop. `run` is the running product, `alive` whether
-// every earlier prefix survived; returns the new alive flag.
-DSPARK_HD bool early_stop_step(double* run, bool alive, float conf, double threshold) {
-  *run *= static_cast<double>(conf);
-  return alive && (*run >= threshold);
+// DSpark's rule (DeepSpec _confident_prefix_length): the draft ends before the
+// first position whose OWN confidence is below the threshold. `alive` says
+// whether every earlier position passed; returns whether this one extends the
+// draft. threshold <= 0 keeps everything (confidences are >= 0) and a NaN
+// confidence compares false, exactly as the reference's `conf < threshold`.
+DSPARK_HD bool still_confident(bool alive, float conf, double threshold) {
+  return alive && !(static_cast<double>(conf) < threshold);
 }
 
 }  // namespace dspark

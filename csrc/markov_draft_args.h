@@ -22,7 +22,7 @@ inline MarkovShapes check_markov_args(
     const std::optional<at::Tensor>& conf_w_markov, const at::Tensor& temperature,
     const at::Tensor& seeds, const at::Tensor& out_tokens, const at::Tensor& out_conf,
     const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
-    const std::optional<at::Tensor>& out_stats) {
+    const std::optional<at::Tensor>& out_stats, const std::optional<at::Tensor>& max_norms) {
   TORCH_CHECK(base_logits.dim() == 3, "markov_draft: base_logits must be [R, B, V], got ",
               base_logits.sizes());
   const int64_t R = base_logits.size(0), B = base_logits.size(1), V = base_logits.size(2);
@@ -75,11 +75,29 @@ inline MarkovShapes check_markov_args(
   }
   if (out_logits.has_value()) TORCH_CHECK(out_logits->is_contiguous(), "markov_draft: out_logits must be contiguous");
   if (out_stats.has_value()) TORCH_CHECK(out_stats->is_contiguous(), "markov_draft: out_stats must be contiguous");
+  if (max_norms.has_value()) check_1d(*max_norms, 2, at::kFloat, "max_norms");
+  // Every tensor, optional ones included, must live on base_logits' device:
+  // a host tensor handed to the CUDA op would otherwise be dereferenced by a
+  // kernel.
   const auto dev = base_logits.device();
-  for (const at::Tensor* t : {&anchor_ids, &markov_w1, &markov_w2, &w2_row_norms, &temperature,
-                              &seeds, &out_tokens, &out_conf, &out_lengths}) {
-    TORCH_CHECK(t->device() == dev, "markov_draft: all tensors must be on ", dev);
-  }
+  auto same_device = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK(t.device() == dev, "markov_draft: ", name, " is on ", t.device(),
+                " but base_logits is on ", dev, "; all tensors must be on one device");
+  };
+  same_device(anchor_ids, "anchor_ids");
+  same_device(markov_w1, "markov_w1");
+  same_device(markov_w2, "markov_w2");
+  same_device(w2_row_norms, "w2_row_norms");
+  same_device(temperature, "temperature");
+  same_device(seeds, "seeds");
+  same_device(out_tokens, "out_tokens");
+  same_device(out_conf, "out_conf");
+  same_device(out_lengths, "out_lengths");
+  if (conf_base.has_value()) same_device(*conf_base, "conf_base");
+  if (conf_w_markov.has_value()) same_device(*conf_w_markov, "conf_w_markov");
+  if (out_logits.has_value()) same_device(*out_logits, "out_logits");
+  if (out_stats.has_value()) same_device(*out_stats, "out_stats");
+  if (max_norms.has_value()) same_device(*max_norms, "max_norms");
   return {R, B, V, rank};
 }
 

@@ -416,16 +416,17 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
   const float T = a.temperature[r];
   const bool sampled = T > 0.f;
   int64_t prev = a.anchor[r];
-  double run = 1.0;
   bool alive = true;
   int32_t length = 0;
   double* e64 = s.e64.data();
   for (int64_t i = 0; i < a.B; ++i) {
     const int64_t row = r * a.B + i;
-    const TW* w1row = w1 + prev * a.rank;
+    // Anchor policy: an out-of-range anchor has no Markov embedding (e = 0).
+    const bool valid = prev >= 0 && prev < a.V;
+    const TW* w1row = w1 + (valid ? prev : 0) * a.rank;
     double en2 = 0.0;
     for (int64_t k = 0; k < a.rank; ++k) {
-      e64[k] = static_cast<double>(to_f(w1row[k]));
+      e64[k] = valid ? static_cast<double>(to_f(w1row[k])) : 0.0;
       en2 += e64[k] * e64[k];
     }
     RowSolver<TB, TW> solver{a, s, static_cast<const TB*>(a.base) + row * a.V, w2, e64,
@@ -447,7 +448,7 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
 
     const float c = row_conf(a, row, e64);
     a.out_conf[row] = c;
-    alive = early_stop_step(&run, alive, c, a.threshold);
+    alive = still_confident(alive, c, a.threshold);
     length += alive ? 1 : 0;
     prev = tok;
   }
@@ -487,13 +488,15 @@ void run_dense_all(const Args& a) {
   (void)gumbel_tables();
   std::vector<int64_t> prev(a.anchor, a.anchor + R);
   std::vector<double> E(static_cast<size_t>(R * rank));  // [R, rank] embeddings
-  std::vector<double> run(R, 1.0);
   std::vector<char> alive(R, 1);
   std::vector<int32_t> length(R, 0);
   const int64_t ntiles = (V + kDenseRows - 1) / kDenseRows;
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < rank; ++k) E[r * rank + k] = to_f(w1[prev[r] * rank + k]);
+      const bool valid = prev[r] >= 0 && prev[r] < V;  // anchor policy: e = 0
+      for (int64_t k = 0; k < rank; ++k) {
+        E[r * rank + k] = valid ? static_cast<double>(to_f(w1[prev[r] * rank + k])) : 0.0;
+      }
     }
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < ntiles; ++t) {
@@ -527,7 +530,7 @@ void run_dense_all(const Args& a) {
         if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(V);
         const float c = row_conf(a, row, &E[r * rank]);
         a.out_conf[row] = c;
-        alive[r] = early_stop_step(&run[r], alive[r] != 0, c, a.threshold) ? 1 : 0;
+        alive[r] = still_confident(alive[r] != 0, c, a.threshold) ? 1 : 0;
         length[r] += alive[r];
         prev[r] = tok;
       }
@@ -554,10 +557,13 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
                       const at::Tensor& temperature, const at::Tensor& seeds, double threshold,
                       const at::Tensor& out_tokens, const at::Tensor& out_conf,
                       const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
-                      const std::optional<at::Tensor>& out_stats) {
+                      const std::optional<at::Tensor>& out_stats,
+                      const std::optional<at::Tensor>& max_norms) {
+  // max_norms only feeds the CUDA kernel's prev-independent bound; the CPU twin
+  // bounds each row with the exact embedding norm (checked for shape only).
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats);
+      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats, max_norms);
   if (sh.num_reqs == 0 || sh.block == 0) {
     out_lengths.zero_();
     return;
@@ -575,11 +581,8 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   if (conf_base.has_value()) cb = conf_base->contiguous();
   if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
 
-  const int64_t* anc = anchor.data_ptr<int64_t>();
-  for (int64_t r = 0; r < sh.num_reqs; ++r) {
-    TORCH_CHECK(anc[r] >= 0 && anc[r] < sh.vocab, "markov_draft: anchor_ids[", r, "] = ",
-                anc[r], " is outside the vocabulary [0, ", sh.vocab, ")");
-  }
+  // Anchors are not range-checked: an out-of-range anchor means "no Markov
+  // embedding" (markov_reference.py), the same on both twins and sync-free.
 
   Args a{};
   a.base = base.data_ptr();

@@ -1,7 +1,9 @@
 // Torch glue of the CUDA implementation of vllm_dspark::markov_draft: checks
-// the arguments, takes the current stream and calls the raw-pointer launcher
-// in markov_draft_kernels.cu. Built only with a CUDA torch (setup.py); the
-// kernels themselves compile without torch (scripts/compile_cuda.sh).
+// the arguments, allocates the kernels' scratch, takes the current stream and
+// calls the raw-pointer launcher in markov_draft_kernels.cu. Built only with a
+// CUDA torch (setup.py); the kernels themselves compile without torch
+// (scripts/compile_cuda.sh) and run on the CPU in the SIMT harness
+// (scripts/emulate_cuda.py).
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -31,23 +33,20 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
                        double threshold, const at::Tensor& out_tokens,
                        const at::Tensor& out_conf, const at::Tensor& out_lengths,
                        const std::optional<at::Tensor>& out_logits,
-                       const std::optional<at::Tensor>& out_stats) {
+                       const std::optional<at::Tensor>& out_stats,
+                       const std::optional<at::Tensor>& max_norms) {
+  // check_markov_args also puts every optional tensor on base_logits' device,
+  // so a host conf_base / conf_w_markov / out_logits / out_stats / max_norms
+  // is rejected here with its name instead of being dereferenced by a kernel.
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats);
+      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats, max_norms);
   TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
-  TORCH_CHECK(sh.rank <= 8192, "markov_draft: rank ", sh.rank,
-              " is too large for the CUDA kernel (at most 8192)");
-  TORCH_CHECK(sh.num_reqs <= 65535, "markov_draft: at most 65535 requests per call");
-  for (const auto* t : {&conf_base, &conf_w_markov}) {
-    if (t->has_value()) {
-      TORCH_CHECK((*t)->device() == base_logits.device(), "markov_draft: all tensors must be on ",
-                  base_logits.device());
-    }
-  }
+  TORCH_CHECK(sh.num_reqs < (int64_t(1) << 24), "markov_draft: at most 2^24 requests per call");
   const c10::cuda::OptionalCUDAGuard guard(base_logits.device());
   // No-ops for the contiguous tensors the wrapper passes. Anchor ids are not
-  // range-checked here (that would synchronise); they must lie in [0, vocab).
+  // range-checked (that would synchronise): an out-of-range anchor means "no
+  // Markov embedding", in the kernels as in the reference.
   const at::Tensor base = base_logits.contiguous();
   const at::Tensor anchor = anchor_ids.contiguous();
   const at::Tensor w1 = markov_w1.contiguous();
@@ -55,9 +54,10 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   const at::Tensor norms = w2_row_norms.contiguous();
   const at::Tensor temp = temperature.contiguous();
   const at::Tensor sd = seeds.contiguous();
-  at::Tensor cb, cw;
+  at::Tensor cb, cw, mn;
   if (conf_base.has_value()) cb = conf_base->contiguous();
   if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
+  if (max_norms.has_value()) mn = max_norms->contiguous();
 
   MarkovDraftParams p{};
   p.base = base.data_ptr();
@@ -67,6 +67,7 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   p.w2 = w2.data_ptr();
   p.w_dtype = to_dtype(w2.scalar_type());
   p.norms = norms.data_ptr<float>();
+  p.max_norms = mn.defined() ? mn.data_ptr<float>() : nullptr;
   p.conf_base = cb.defined() ? cb.data_ptr<float>() : nullptr;
   p.conf_w = cw.defined() ? cw.data_ptr<float>() : nullptr;
   p.temperature = temp.data_ptr<float>();
@@ -85,7 +86,16 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
     out_lengths.zero_();
     return;
   }
-  const cudaError_t err = launch_markov_draft(p, c10::cuda::getCurrentCUDAStream().stream());
+  // Scratch from the caching allocator (stream-ordered, no host sync; during
+  // CUDA-graph capture it comes from the graph's private pool). Its contents on
+  // entry do not matter: the first kernel initialises what the second reads.
+  const size_t ws_bytes = markov_workspace_bytes(p);
+  const at::Tensor workspace = at::empty({static_cast<int64_t>(ws_bytes) + 256},
+                                         base_logits.options().dtype(at::kByte));
+  void* ws = reinterpret_cast<void*>(
+      (reinterpret_cast<uintptr_t>(workspace.data_ptr()) + 255) / 256 * 256);
+  const cudaError_t err =
+      launch_markov_draft(p, ws, c10::cuda::getCurrentCUDAStream().stream());
   TORCH_CHECK(err == cudaSuccess, "markov_draft: CUDA launch failed: ", cudaGetErrorString(err));
 }
 

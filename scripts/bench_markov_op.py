@@ -29,7 +29,16 @@ Times are the best of ``--reps`` (op) and ``--loop-reps`` (loop) runs, so a
 busy shared machine penalises both sides alike.
 
 Run: ``python scripts/bench_markov_op.py`` (CPU, ~2-3 minutes on 2 cores);
-``--device cuda`` on a GPU machine; ``--out FILE`` also writes the table.
+``--device cuda`` on a GPU machine (measured: the CUDA op against the same
+dense loop on the GPU); ``--out FILE`` also writes the table.
+
+``--model h200`` prints a MODEL, not a measurement: the CUDA kernels run in the
+SIMT harness (``scripts/emulate_cuda.py``) at Kimi K3's sizes, and the
+harness's counters (distinct DRAM bytes, blocks, threads, launches, barriers
+and barrier intervals with a global load on each block's critical path) are
+turned into an H200 time with the assumptions printed above the table;
+upstream vLLM's dense loop is modelled from its byte counts with the same
+assumptions.
 """
 
 from __future__ import annotations
@@ -41,7 +50,11 @@ import time
 import torch
 
 from vllm_dspark.ops import markov as M
-from vllm_dspark.ops.markov_reference import gumbel_noise, markov_draft_reference
+from vllm_dspark.ops.markov_reference import (
+    gumbel_noise,
+    markov_draft_reference,
+    markov_max_norms,
+)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 W_STD = {"peaky": 0.05, "flat": 0.05, "flat-strong": 0.15}
@@ -118,7 +131,11 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--loop-reps", type=int, default=2)
     ap.add_argument("--out", default=None, help="also write the table (markdown) here")
+    ap.add_argument("--model", default=None, choices=["h200"],
+                    help="print the modelled H200 time of the CUDA kernels (SIMT counts)")
     args = ap.parse_args(argv)
+    if args.model:
+        return model_h200(args)
 
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
@@ -139,8 +156,9 @@ def main(argv=None):
             for R in (int(b) for b in args.batches.split(",")):
                 inp = make_inputs(R, B, V, rank, dtype, regime, device)
                 norms = M.markov_row_norms(inp["markov_w2"])  # once per model
+                max_norms = markov_max_norms(inp["markov_w1"], norms)  # once per model
                 for mode in args.modes.split(","):
-                    if mode == "sampled" and R > args.max_sampled_batch:
+                    if mode == "sampled" and args.max_sampled_batch < R:
                         continue
                     temp = (torch.zeros(R) if mode == "greedy" else torch.ones(R)).to(device)
 
@@ -148,8 +166,8 @@ def main(argv=None):
                         return M.markov_draft(
                             inp["base_logits"], inp["anchor_ids"], inp["markov_w1"],
                             inp["markov_w2"], norms, inp["conf_base"], inp["conf_w_markov"],
-                            temp, inp["seeds"], args.threshold, return_stats=True,
-                            allow_fallback=False)
+                            temp, inp["seeds"], args.threshold, max_norms=max_norms,
+                            return_stats=True, allow_fallback=False)
 
                     op()  # warm-up (tables, caches)
                     t_op, out = timed(op, args.reps, device)
@@ -168,11 +186,112 @@ def main(argv=None):
                             f"{out.stats.float().mean().item():.0f} |")
                     rows.append(line)
                     print(line, flush=True)
-                del inp, norms
+                del inp, norms, max_norms
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(rows) + "\n")
 
 
+# --------------------------------------------------------------------------- model
+H200 = dict(
+    hbm_bytes_per_s=4.8e12,  # HBM3e peak
+    sms=132,
+    launch_us=3.0,           # per kernel launch (launch, ramp-up, drain), same for both sides
+    mem_round_trip_us=0.6,   # one dependent round trip to DRAM under load
+    l2_round_trip_us=0.3,    # one dependent round trip that hits L2 (data written by this call)
+    barrier_us=0.03,         # one __syncthreads of a 512-thread block (~50 cycles)
+    shuffle_us=0.015,        # one warp shuffle / vote on a warp's dependent chain (~27 cycles)
+    sm_bytes_per_s=110e9,    # what one block can stream (~3x an SM's fair share of HBM)
+)
+
+
+def _kernel_us(L, hw):
+    """Model of one launch from the harness counters."""
+    dram = L["dram_read"] + L["dram_written"]
+    occupancy = min(1.0, L["blocks"] / hw["sms"])  # fewer blocks than SMs: that share of HBM
+    bw_us = dram / (hw["hbm_bytes_per_s"] * occupancy) * 1e6
+    cold = L["max_cold_intervals"]
+    hot = max(0, L["max_load_intervals"] - cold)
+    crit_us = (cold * hw["mem_round_trip_us"] + hot * hw["l2_round_trip_us"]
+               + L["max_barriers"] * hw["barrier_us"]
+               + L["max_warp_collectives"] * hw["shuffle_us"]
+               + L["max_block_bytes"] / hw["sm_bytes_per_s"] * 1e6)
+    return hw["launch_us"] + max(bw_us, crit_us), bw_us >= crit_us
+
+
+def _upstream_us(R, B, V, rank, hw, wbytes=2, bbytes=2):
+    """Upstream vLLM's loop, per position: w1[prev] gather, [R, rank] x [rank, V]
+    matmul reading all of markov_w2 (bias written in the weights' dtype), the
+    add to the base logits (fp32 out) and the argmax; every kernel at full
+    bandwidth (generous to the loop)."""
+    per_pos = [
+        R * rank * wbytes * 2,                       # gather
+        V * rank * wbytes + R * V * wbytes,          # matmul: all of markov_w2
+        R * V * (bbytes + wbytes) + R * V * 4,       # add: base + bias -> fp32 logits
+        R * V * 4,                                   # argmax
+    ]
+    t = sum(hw["launch_us"] + b / hw["hbm_bytes_per_s"] * 1e6 for b in per_pos)
+    return B * t, 4 * B, B * sum(per_pos)
+
+
+def model_h200(args):
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "emulate_cuda", Path(__file__).resolve().parent / "emulate_cuda.py")
+    E = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(E)
+    hw = H200
+    V, rank, B = args.vocab, args.rank, args.block
+    print("MODEL (not a measurement): modelled H200 time of the markov_draft CUDA kernels, "
+          "from the SIMT harness's counters")
+    print(f"assumptions: HBM {hw['hbm_bytes_per_s'] / 1e12:.1f} TB/s, {hw['sms']} SMs, "
+          f"{hw['launch_us']:.1f} us per kernel launch, {hw['mem_round_trip_us']:.1f} us per "
+          f"dependent DRAM round trip, {hw['l2_round_trip_us']:.1f} us per dependent L2 round "
+          f"trip (data written earlier in the call), {hw['barrier_us'] * 1e3:.0f} ns per barrier,"
+          f" {hw['shuffle_us'] * 1e3:.0f} ns per warp shuffle on the busiest warp, one block "
+          f"streams <= {hw['sm_bytes_per_s'] / 1e9:.0f} GB/s")
+    print("kernel time = launch + max(DRAM bytes / (HBM x min(1, blocks / SMs)), critical path)"
+          " [a kernel with fewer blocks than SMs gets that fraction of HBM]; critical path ="
+          " max over blocks of (barrier intervals with a global load, DRAM or L2 round trip each"
+          " + barriers + warp shuffles of the busiest warp + block bytes / block bandwidth);"
+          " DRAM bytes = distinct 32-byte sectors touched per launch (perfect L2 reuse within a"
+          " launch, none across)")
+    print("upstream loop = per position 4 launches (gather, matmul reading all of markov_w2, "
+          "add, argmax) at full bandwidth")
+    print(f"sizes: vocab {V}, rank {rank}, block {B}, bf16 base logits and weights, greedy, "
+          f"max_norms passed (computed once per model)")
+    exe = E.build_harness()
+    rows = []
+    header = ("| batch | regime | upstream loop us (model) | kernel us (model) | speed-up (model) "
+              "| launches | DRAM MB | exact scores / row | per launch us |")
+    print(header)
+    print("|" + "---|" * 9)
+    for R in (int(b) for b in args.batches.split(",")):
+        for regime in args.regimes.split(","):
+            case = E.make_case(R, B, V, rank, torch.bfloat16, seed=0, peaky=regime == "peaky",
+                               base_std=2.0 if regime == "peaky" else 1.0,
+                               w_std=W_STD.get(regime, 0.05))
+            out = E.emulate(exe, case, torch.zeros(R), args.threshold, checks=False)
+            launches = out["counters"]["launches"]
+            parts = [_kernel_us(L, hw) for L in launches]
+            t_new = sum(t for t, _ in parts)
+            t_up, n_up, _ = _upstream_us(R, B, V, rank, hw)
+            dram = sum(L["dram_read"] + L["dram_written"] for L in launches) / 1e6
+            per = ", ".join(f"{L['name']} {t:.1f}{' bw' if bw else ' lat'}"
+                            for L, (t, bw) in zip(launches, parts))
+            line = (f"| {R} | {regime} | {t_up:.0f} | {t_new:.1f} | {t_up / t_new:.1f}x | "
+                    f"{len(launches)} (loop: {n_up}) | {dram:.1f} | "
+                    f"{out['stats'].float().mean().item():.0f} | {per} |")
+            rows.append(line)
+            print(line, flush=True)
+            del case, out
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("MODEL, not a measurement\n" + header + "\n" + "\n".join(rows) + "\n")
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

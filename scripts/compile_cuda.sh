@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# Compile every csrc/*.cu to an object file for Hopper (sm_90) so the CUDA
-# kernels cannot rot on machines without a GPU or a CUDA torch (CI runs this).
+# Compile every csrc/*.cu for Ampere, Hopper, Blackwell and consumer Blackwell
+# (sm_80, sm_90, sm_100, sm_120) so the CUDA kernels cannot rot on machines
+# without a GPU or a CUDA torch (CI runs this). Same half/bf16 flags as torch's
+# extension builds, warnings are errors, and the build fails when ptxas reports
+# a spill, a stack frame or local memory for any kernel (parsed from -Xptxas -v).
 # The .cu files include no torch headers; the torch glue (csrc/*_cuda.cpp) is
 # built only by `pip install` with a CUDA torch.
-# Usage: scripts/compile_cuda.sh [extra nvcc flags...]; NVCC overrides the compiler.
+# Usage: scripts/compile_cuda.sh [extra nvcc flags...]; NVCC overrides the
+# compiler, ARCHS (e.g. "90") the architectures.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 nvcc="${NVCC:-nvcc}"
@@ -11,6 +15,21 @@ if ! command -v "$nvcc" >/dev/null 2>&1; then
   echo "compile_cuda.sh: $nvcc not found" >&2
   exit 2
 fi
+# Fast math would change the scores the op promises to reproduce exactly
+# (approximate division and logf, flushed subnormals). nvcc 13 defines no macro
+# for it, so the source's `#error` on __USE_FAST_MATH__ only fires with
+# toolkits that do; the flags are refused here, and the score path uses
+# non-.ftz PTX rounding ops that no flag can change (markov_common.h).
+for a in "$@"; do
+  case "$a" in
+    --use_fast_math|-use_fast_math|--use-fast-math|-ftz=true|--ftz=true|-ftz=1|\
+    -prec-div=false|--prec-div=false|-prec-sqrt=false|--prec-sqrt=false)
+      echo "compile_cuda.sh: markov_draft_kernels.cu must not be built with --use_fast_math" \
+           "(or $a): the op promises the reference's exact fp32 scores" >&2
+      exit 1 ;;
+  esac
+done
+archs="${ARCHS:-80 90 100 120}"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 shopt -s nullglob
@@ -19,10 +38,32 @@ if [ ${#sources[@]} -eq 0 ]; then
   echo "compile_cuda.sh: no .cu sources in csrc/" >&2
   exit 1
 fi
+gencode=()
+for a in $archs; do gencode+=(-gencode "arch=compute_${a},code=sm_${a}"); done
+torch_flags=(-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+             -D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__)
+status=0
 for src in "${sources[@]}"; do
-  obj="$out/$(basename "${src%.cu}").o"
-  echo "nvcc -c -arch=sm_90 $(basename "$src")"
-  "$nvcc" -c -arch=sm_90 -O3 -std=c++17 --expt-relaxed-constexpr -Werror all-warnings \
-    -I"$root/csrc" "$@" -o "$obj" "$src"
+  name="$(basename "${src%.cu}")"
+  echo "nvcc -c ${name}.cu for sm_${archs// /, sm_}"
+  log="$out/$name.log"
+  if ! "$nvcc" -c "${gencode[@]}" -O3 -std=c++17 --expt-relaxed-constexpr --threads 0 \
+      -Werror all-warnings "${torch_flags[@]}" -Xptxas -v -I"$root/csrc" "$@" \
+      -o "$out/$name.o" "$src" >"$log" 2>&1; then
+    cat "$log" >&2
+    exit 1
+  fi
+  # ptxas -v: "N bytes stack frame, N bytes spill stores, N bytes spill loads"
+  # (and "N bytes lmem" on older toolkits). Any non-zero count fails the build.
+  bad="$(grep -E '[1-9][0-9]* bytes (stack frame|spill stores|spill loads|lmem)' "$log" || true)"
+  if [ -n "$bad" ]; then
+    echo "compile_cuda.sh: ptxas reports spills or local memory in $name.cu:" >&2
+    grep -E "Compiling entry|Function properties|bytes (stack frame|spill|lmem)" "$log" \
+      | grep -B2 -E '[1-9][0-9]* bytes (stack frame|spill stores|spill loads|lmem)' >&2 || true
+    status=1
+  fi
+  kernels="$(grep -c 'Compiling entry function' "$log" || true)"
+  echo "  ${kernels} kernel compilations, no spills or local memory"
 done
-echo "compiled ${#sources[@]} CUDA source(s) for sm_90"
+if [ "$status" -ne 0 ]; then exit "$status"; fi
+echo "compiled ${#sources[@]} CUDA source(s) for sm_${archs// /, sm_}"

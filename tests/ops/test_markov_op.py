@@ -69,7 +69,7 @@ def run_op(case, temperature, threshold, **kw):
         case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
         markov_row_norms(case["markov_w2"]), case["conf_base"], case["conf_w_markov"],
         temperature, case["seeds"], threshold, allow_fallback=False, return_stats=True, **kw)
-    assert M.last_path() == "compiled"
+    assert out.path == "compiled"
     return out
 
 
@@ -276,11 +276,99 @@ def test_opcheck(with_logits):
     torch.library.opcheck(torch.ops.vllm_dspark.markov_draft.default, args)
 
 
-def test_op_rejects_bad_anchor():
-    case = make_case(1, 2, 111, 4, seed=13)
-    case["anchor_ids"][0] = 111
-    with pytest.raises(RuntimeError, match="anchor_ids"):
-        run_op(case, torch.zeros(1), 0.0)
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+def test_out_of_range_anchor_has_no_markov_embedding(mode):
+    # Anchor policy: no range check (no host sync), no out-of-bounds read; an
+    # anchor outside [0, V) drafts position 0 with e = 0.
+    case = make_case(4, 5, 300, 8, seed=13)
+    case["anchor_ids"] = torch.tensor([300, -1, 7, 2**40])
+    temp = temperatures(4, mode)
+    out = run_op(case, temp, 0.5)
+    ref = run_ref(case, temp, 0.5)
+    assert_matches(out, ref)
+    # Position 0 of an invalid anchor: bias 0 and conf = sigmoid(conf_base).
+    expect0 = torch.sigmoid(case["conf_base"][[0, 1, 3], 0].double()).float()
+    torch.testing.assert_close(out.conf[[0, 1, 3], 0], expect0, atol=CONF_ATOL, rtol=0)
+    if mode == "greedy":
+        base0 = case["base_logits"][[0, 1, 3], 0].float()
+        assert torch.equal(out.tokens[[0, 1, 3], 0], base0.argmax(-1))
+
+
+# --- draft length rule (DSpark's _confident_prefix_length) --------------------
+
+EXAMPLE_CONF = [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]
+
+
+def _constant_conf_case(confs):
+    B = len(confs)
+    case = make_case(1, B, 111, 8, seed=21, conf_w=False)
+    c = torch.tensor(confs, dtype=torch.float64)
+    case["conf_base"] = torch.log(c / (1 - c)).float()[None, :]
+    return case
+
+
+@pytest.mark.parametrize("impl", ["reference", "compiled"])
+def test_length_stops_before_first_low_confidence(impl):
+    case = _constant_conf_case(EXAMPLE_CONF)
+    run = run_ref if impl == "reference" else run_op
+    out = run(case, torch.zeros(1), 0.8)
+    conf, lengths = out[1], out[2]
+    torch.testing.assert_close(conf[0], torch.tensor(EXAMPLE_CONF), atol=1e-6, rtol=0)
+    assert lengths.tolist() == [6]  # the running product rule gave 2
+    assert run(case, torch.zeros(1), 0.0)[2].tolist() == [7]
+    assert run(case, torch.zeros(1), -1.0)[2].tolist() == [7]
+    assert run(case, torch.zeros(1), 0.96)[2].tolist() == [0]
+    assert run(case, torch.zeros(1), 0.85)[2].tolist() == [4]
+    # The fp32 confidence is compared: fp32(0.9) = 0.89999998 < 0.9.
+    assert run(case, torch.zeros(1), 0.9)[2].tolist() == [1]
+
+
+def test_length_ignores_later_recoveries():
+    case = _constant_conf_case([0.9, 0.3, 0.99, 0.99])
+    for run in (run_ref, run_op):
+        assert run(case, torch.zeros(1), 0.5)[2].tolist() == [1]
+
+
+# --- NaN policy: NaN ranks below -inf; a row of only NaN proposes token 0 -------
+
+def _nan_case(dtype):
+    V = 500
+    case = make_case(4, 3, V, 16, dtype, seed=22)
+    base = case["base_logits"]
+    base[0, 0, 17] = float("nan")            # one NaN among finite logits
+    base[0, 1, :] = float("nan")             # all NaN -> token 0
+    base[1, 0, :] = float("-inf")
+    base[1, 0, :3] = float("nan")            # NaN before the -infs -> token 3
+    base[1, 1, ::2] = float("nan")           # half NaN, half finite
+    base[2, :, 0] = float("nan")
+    base[2, :, 1:] = 0.25                    # NaN at 0, ties elsewhere -> token 1
+    case["markov_w2"][:] = 0
+    return case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled"])
+@pytest.mark.parametrize("with_logits", [False, True], ids=["pruned", "dense"])
+def test_nan_policy(dtype, mode, with_logits):
+    case = _nan_case(dtype)
+    temp = temperatures(4, mode)
+    ref = run_ref(case, temp, 0.5)
+    out = run_op(case, temp, 0.5, return_logits=with_logits)
+    assert_matches(out, ref)
+    assert out.tokens[0, 1].item() == 0
+    assert out.tokens[1, 0].item() == 3
+    assert out.tokens[0, 0].item() != 17
+    assert not bool(torch.isnan(case["base_logits"][1, 1, out.tokens[1, 1]]))
+    if mode == "greedy":
+        assert bool((out.tokens[2] == 1).all())
+
+
+def test_reference_nan_argmax_helper():
+    from vllm_dspark.ops.markov_reference import _argmax_nan_last
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([[nan, 1.0, 2.0], [nan, -inf, -inf], [nan, nan, nan],
+                         [-inf, -inf, -inf], [inf, nan, inf]])
+    assert _argmax_nan_last(rows).tolist() == [2, 1, 0, 0, 0]
 
 
 # --- wrapper behaviour --------------------------------------------------------------
@@ -294,7 +382,7 @@ def test_wrapper_falls_back_and_says_why(caplog):
     with caplog.at_level("WARNING", logger=M.__name__):
         out = M.markov_draft(base64, case["anchor_ids"], case["markov_w1"], case["markov_w2"])
         M.markov_draft(base64, case["anchor_ids"], case["markov_w1"], case["markov_w2"])
-    assert M.last_path() == "reference"
+    assert out.path == "reference"
     assert sum(reason in r.getMessage() for r in caplog.records) <= 1  # logged once
     assert out.tokens.shape == (2, 3) and out.stats is None
     with pytest.raises(RuntimeError, match="float64"):

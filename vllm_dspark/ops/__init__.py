@@ -8,20 +8,18 @@ from vllm_dspark.ops.markov import (
     MarkovDraftOutput,
     gumbel_noise,
     is_compiled_available,
-    last_path,
     markov_draft,
     markov_draft_reference,
+    markov_max_norms,
     markov_row_norms,
-    path_counts,
 )
 
 __all__ = [
     "MarkovDraftOutput",
     "gumbel_noise",
     "is_compiled_available",
-    "last_path",
     "markov_draft",
     "markov_draft_reference",
+    "markov_max_norms",
     "markov_row_norms",
-    "path_counts",
 ]

@@ -3,32 +3,71 @@
 What it removes
     DSpark picks the block's draft tokens left to right: position i adds the
     Markov bias ``markov_w2 @ markov_w1[prev]`` to its base logits, picks a token
-    and hands it to position i + 1. Done the obvious way that is one full
-    vocabulary x rank matvec and one full-vocabulary argmax per position (at Kimi
-    K3's size, vocab 163840 x rank 256 x 7 positions: ~136 ms per draft step at
-    batch 1 and ~960 ms at batch 64 on a 2-core CPU). The op bounds every token's
-    score by ``base_j + ||w2_j|| * ||e||`` (plus the token's Gumbel noise when
-    sampling), computes exact dot products only for the few tokens whose bound
-    reaches the best exact score, and falls back to the dense row only when too
-    many survive. It also computes the confidence head's Markov part and the
-    confidence-gated draft length in the same pass. CPU twin: ``csrc/
-    markov_draft_cpu.cpp`` (OpenMP over requests); CUDA: ``csrc/
-    markov_draft_kernels.cu`` (one block per request, graph-capturable; dense
-    ``out_logits`` path as two kernels per position).
+    and hands it to position i + 1. Done the obvious way (upstream vLLM's loop)
+    that is, per position, a gather, one full vocabulary x rank matmul reading
+    all of ``markov_w2``, an add and a full-vocabulary argmax: at Kimi K3's size
+    (vocab 163840 x rank 256 x 7 positions) 28 kernel launches and 7 reads of
+    ``markov_w2`` per draft step on a GPU, ~0.3 s at batch 1 on a 2-core CPU.
+    The op bounds every token's score by ``base_j +- ||w2_j|| * ||e||`` (plus the
+    token's Gumbel noise bounds when sampling), computes exact dot products only
+    for the few tokens whose bound reaches the best exact score, and computes a
+    row densely only when too many survive. It also computes the confidence
+    head's Markov part and the draft length in the same pass.
+
+    CPU twin (``csrc/markov_draft_cpu.cpp``): OpenMP over requests, one streaming
+    pass per row with the exact ||e|| of the row's previous token.
+    CUDA (``csrc/markov_draft_kernels.cu``): ``cand_kernel`` reads every base
+    logit once, grid-wide over all (request, position) rows, with a bound that
+    does not depend on the previous token (``M = max||w2_j|| * max||w1_j||``,
+    ``max_norms``), and keeps a small *certified* candidate set per row (every
+    token outside provably loses); ``walk_kernel`` (a block per request) walks
+    the positions with exact fp64 dots against the real embedding, from pair
+    tables precomputed for small sets. Uncertified rows (overflow, or ||e|| above
+    the bound) are computed densely and wide: every block of the walk grid
+    serves markov_w2 tiles, one tile read for all jobs posted at that time.
+    ``out_logits`` (and shapes the pruned path does not take: rank > 4096,
+    block > 64) runs position by position, each markov_w2 tile read once for all
+    requests. Two launches per call on the pruned path (four without
+    ``max_norms``), graph-capturable, no host sync; scratch comes from the
+    caching allocator in the glue (``markov_workspace_bytes``).
 
 Numerical contract
     The semantics are ``markov_draft_reference`` in ``markov_reference.py``
     (bias accumulated in fp64 and rounded once to fp32, fp32 logits, ties to the
     lowest token id, counter-based Gumbel noise). Pruning never changes a token:
-    its bound is inflated by 1e-5 relative, far above fp32 rounding, and is only
-    ever compared against exactly computed scores. Token ids equal the reference's
-    (``torch.equal``) for greedy and seeded sampling, fp32 and bf16; the only way
-    to differ is an fp64 summation-order or libm difference that straddles an
-    fp32 rounding boundary of the winning score AND flips a near-exact tie, which
-    the tests have never produced. Confidences agree to 1e-6 (fp64 sigmoid,
-    rounded to fp32); draft lengths are equal. ``w2_row_norms`` must come from
-    :func:`markov_row_norms` of the same ``markov_w2`` (a stale norm breaks the
-    bound).
+    bounds are inflated by 1e-5 relative, far above fp32 rounding, and are only
+    ever compared against exactly computed scores; scores use single correctly
+    rounded fp32 operations on every build (``add_rn``/``div_rn`` in
+    ``markov_common.h``; the CUDA source refuses ``--use_fast_math``). Token ids
+    equal the reference's (``torch.equal``) for greedy and seeded sampling,
+    fp32/bf16/fp16; the only way to differ is an fp64 summation-order or libm
+    difference that straddles an fp32 rounding boundary of the winning score AND
+    flips a near-exact tie, which the tests have never produced. Confidences
+    agree to 1e-6 (fp64 sigmoid, rounded to fp32); draft lengths are equal.
+    ``w2_row_norms`` must come from :func:`markov_row_norms` and ``max_norms``
+    from :func:`markov_max_norms` of the same weights (a stale w2 norm breaks the
+    bound; a w1 maximum below a real row's norm is detected and only costs a
+    dense row).
+
+Draft length
+    DSpark's ``_confident_prefix_length``: the number of positions before the
+    first position whose own confidence is below ``threshold`` (fp32 confidence
+    compared in fp64); the whole block when none is, and always when
+    ``threshold <= 0``. Confidences [.95, .9, .9, .85, .8, .8, .7] at 0.8 give 6.
+
+NaN policy
+    A NaN score ranks below every other score, ``-inf`` included: NaN is never
+    proposed while its row holds anything else, and a row of only NaN proposes
+    token 0 (the lowest id, as a row of only ``-inf`` does). This differs from
+    ``torch.argmax``, which would return the first NaN. A NaN Markov bias (NaN
+    weights) voids a row's certificate and that row is computed densely.
+
+Anchor policy
+    An anchor outside ``[0, vocab)`` has no Markov embedding: position 0 uses
+    ``e = 0`` (no bias; the confidence's Markov part is 0), the rest of the block
+    is drafted normally. Nothing is read out of bounds and nothing synchronises
+    with the host, so padded or garbage rows are harmless (both twins and the
+    reference agree).
 
 Build and use
     ``pip install --no-build-isolation -e .`` builds ``vllm_dspark._C`` (the op's
@@ -38,9 +77,12 @@ Build and use
     falls back to the reference (logged once, with the reason from
     ``_why_not``) when the compiled op cannot take the call. Callers that
     capture CUDA graphs call ``torch.ops.vllm_dspark.markov_draft`` directly
-    with preallocated outputs (it returns nothing and allocates nothing on
-    CUDA). ``stats`` (optional output) counts the exact scores computed per row;
-    ``V`` means the row was computed densely.
+    with preallocated outputs (it returns nothing; on CUDA its only allocation
+    is its scratch, from the caching allocator) and should pass ``max_norms``
+    (16th argument, optional) computed once per model. ``stats`` (optional
+    output) counts the exact scores computed per row; ``V`` means the row was
+    computed densely. Every tensor, optional ones included, must be on
+    ``base_logits``' device (checked, with the tensor's name).
 
 Performance (``scripts/bench_markov_op.py``)
     CPU: one streaming pass over the row's base logits (plus, when sampling,
@@ -48,22 +90,29 @@ Performance (``scripts/bench_markov_op.py``)
     over the dense loop at batch 1 and 64 on the benchmark's regimes. The bound
     is Cauchy-Schwarz, so it only separates tokens when ||w2_j||*||e|| is small
     against the spread of the top base logits; with large isotropic Markov
-    weights over flat logits most rows go dense (``--regimes flat-strong``):
-    a dense row reads all of ``markov_w2`` (vectorised fp64 dots), about the
-    loop's cost at batch 1 and a few times the loop's batched matmul at batch
-    64. With ``out_logits`` every row is dense, but position by position with
-    each ``markov_w2`` tile shared by all requests (about the loop's cost).
-    CUDA: one thread block per request walks the block (batch 1 uses one SM);
-    not yet measured on a GPU.
+    weights over flat logits most rows go dense (``--regimes flat-strong``).
+    With ``out_logits`` every row is dense, position by position with each
+    ``markov_w2`` tile shared by all requests (about the loop's cost).
+    CUDA: not yet measured on a GPU. ``--model h200`` prints a MODEL of the H200
+    time from the SIMT harness's counters against a model of upstream's loop
+    (assumptions printed with it); ``--device cuda`` measures on a GPU.
 
 Checked by
-    ``tests/ops/test_markov_op.py``: the compiled op is loaded (no silent
+    ``tests/ops/test_markov_op.py``: the compiled CPU op is loaded (no silent
     fallback), ``torch.library.opcheck``, op vs reference over batch 1 and > 1,
-    vocab 111 and 163840, rank 1 and 256, block 1 and 7, bf16/fp32,
-    greedy/sampled, thresholds 0/0.5/0.99, and adversarial pruning cases (bias
-    outweighing the base, ties, all-equal base -> dense fallback seen in
-    ``stats``, -inf entries). ``tests/ops/test_markov_cuda_compile.py`` compiles
-    the CUDA sources with nvcc. ``scripts/bench_markov_op.py`` measures the speed.
+    vocab 111 and 163840, rank 1 and 256, block 1 and 7, bf16/fp32/fp16,
+    greedy/sampled/mixed, thresholds 0/0.5/0.99, adversarial pruning cases (bias
+    outweighing the base, bias at the bound, ties, all-equal base -> dense
+    fallback seen in ``stats``, -inf entries), the length rule (the example
+    above, on the reference and the op), the NaN policy (both paths) and
+    out-of-range anchors. ``tests/ops/test_simt_emulation.py`` runs the REAL CUDA
+    source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs the full
+    grid, K3 sizes and fp16 included) against the reference, with race,
+    divergence and bounds checks, and shows that an injected race, a wrong index
+    and a divergent barrier are caught. ``tests/ops/test_markov_cuda_compile.py``
+    compiles the CUDA sources for sm_80/90/100/120 without spills and checks that
+    a fast-math build stops. ``tests/ops/test_markov_cuda.py`` (GPU only) checks
+    the CUDA op against the reference and an upstream-style dense loop.
 """
 
 from __future__ import annotations
@@ -76,6 +125,7 @@ import torch
 from vllm_dspark.ops.markov_reference import (
     gumbel_noise,
     markov_draft_reference,
+    markov_max_norms,
     markov_row_norms,
 )
 
@@ -84,10 +134,9 @@ __all__ = [
     "markov_draft",
     "markov_draft_reference",
     "markov_row_norms",
+    "markov_max_norms",
     "gumbel_noise",
     "is_compiled_available",
-    "last_path",
-    "path_counts",
 ]
 
 logger = logging.getLogger(__name__)
@@ -98,8 +147,6 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _load_error: str | None = None
 _loaded: bool | None = None
 _logged_reasons: set[str] = set()
-_last_path: str | None = None
-_path_counts = {"compiled": 0, "reference": 0}
 
 
 class MarkovDraftOutput(NamedTuple):
@@ -108,6 +155,7 @@ class MarkovDraftOutput(NamedTuple):
     lengths: torch.Tensor               # [R] int32
     logits: torch.Tensor | None = None  # [R, B, V] fp32, when requested
     stats: torch.Tensor | None = None   # [R, B] int32 exact scores per row (compiled only)
+    path: str = "compiled"              # which implementation ran: "compiled" or "reference"
 
 
 def _load() -> bool:
@@ -129,7 +177,8 @@ def _register_fake() -> None:
     @torch.library.register_fake(_OP_NAME)
     def _markov_draft_fake(base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms,
                            conf_base, conf_w_markov, temperature, seeds, threshold,
-                           out_tokens, out_conf, out_lengths, out_logits, out_stats):
+                           out_tokens, out_conf, out_lengths, out_logits, out_stats,
+                           max_norms=None):
         # Mutates its outputs in place; nothing to allocate or return.
         return None
 
@@ -170,16 +219,6 @@ def _log_once(reason: str) -> None:
         logger.warning("markov_draft falls back to the PyTorch reference loop: %s", reason)
 
 
-def last_path() -> str | None:
-    """Which implementation the latest ``markov_draft`` call ran: compiled/reference."""
-    return _last_path
-
-
-def path_counts() -> dict[str, int]:
-    """Calls per implementation since import (a copy)."""
-    return dict(_path_counts)
-
-
 def markov_draft(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
@@ -192,6 +231,7 @@ def markov_draft(
     seeds: torch.Tensor | None = None,
     threshold: float = 0.0,
     *,
+    max_norms: torch.Tensor | None = None,
     return_logits: bool = False,
     return_stats: bool = False,
     allow_fallback: bool = True,
@@ -219,7 +259,12 @@ def markov_draft(
     seeds : [R] int64, optional
         Per-request seed of the Gumbel noise (mix the decoding step into it).
     threshold : float
-        Early stop on the running product of confidences; 0 keeps the block.
+        The draft length is the number of positions before the first one whose
+        own confidence is below ``threshold``; ``<= 0`` keeps the block.
+    max_norms : [2] fp32, optional
+        ``markov_max_norms(markov_w1, w2_row_norms)``, once per model. Only the
+        CUDA kernel uses it (recomputed per call when omitted: a pass over
+        ``markov_w1``).
     return_logits : bool
         Also return the corrected fp32 logits [R, B, V] (dense path).
     return_stats : bool
@@ -231,9 +276,8 @@ def markov_draft(
     Returns
     -------
     MarkovDraftOutput(tokens [R, B] int64, conf [R, B] fp32, lengths [R] int32,
-    logits [R, B, V] fp32 | None, stats [R, B] int32 | None)
+    logits [R, B, V] fp32 | None, stats [R, B] int32 | None, path "compiled" | "reference")
     """
-    global _last_path
     R, B, V = base_logits.shape
     dev = base_logits.device
     if temperature is None:
@@ -257,10 +301,9 @@ def markov_draft(
             None if conf_base is None else conf_base.to(torch.float32),
             None if conf_w_markov is None else conf_w_markov.to(torch.float32),
             temperature.to(torch.float32), seeds.to(torch.int64), float(threshold),
-            tokens, conf, lengths, logits, stats)
-        _last_path = "compiled"
-        _path_counts["compiled"] += 1
-        return MarkovDraftOutput(tokens, conf, lengths, logits, stats)
+            tokens, conf, lengths, logits, stats,
+            None if max_norms is None else max_norms.to(torch.float32))
+        return MarkovDraftOutput(tokens, conf, lengths, logits, stats, "compiled")
 
     if not allow_fallback:
         raise RuntimeError(f"markov_draft: compiled op unavailable: {reason}")
@@ -268,6 +311,4 @@ def markov_draft(
     out = markov_draft_reference(
         base_logits, anchor_ids, markov_w1, markov_w2, conf_base, conf_w_markov,
         temperature, seeds, threshold, return_logits=return_logits)
-    _last_path = "reference"
-    _path_counts["reference"] += 1
-    return MarkovDraftOutput(out[0], out[1], out[2], out[3] if return_logits else None, None)
+    return MarkovDraftOutput(out[0], out[1], out[2], out[3] if return_logits else None, None, "reference")

@@ -8,16 +8,20 @@ Semantics (per request ``r``, left to right over the block's positions)::
 
     prev = anchor_ids[r]
     for i in range(block):
-        e      = fp32(markov_w1[prev])                                  # [rank]
+        e      = fp32(markov_w1[prev]) if 0 <= prev < vocab else 0      # [rank]
         bias   = fp32(fp64(e) @ fp64(markov_w2).T)                      # [vocab]
         logits = fp32(base_logits[r, i]) + bias                         # fp32 add
         if temperature[r] <= 0:  token = argmax(logits)                 # greedy
         else:                    token = argmax(logits / T + g(seed, i)) # fp32 ops
+                                 # (argmax: ties -> lowest id, NaN ranks below -inf)
         z      = fp64(conf_base[r, i]) + fp64(e) . fp64(conf_w_markov)
         conf   = fp32(sigmoid(z))                                       # fp64 sigmoid
         prev   = token
 
 * ``argmax`` breaks ties towards the LOWEST token id (as ``torch.argmax``).
+* NaN policy: a NaN score ranks below every other score, ``-inf`` included,
+  so NaN is never proposed while the row holds anything else; a row of only
+  NaN proposes token 0 (``torch.argmax`` would instead return the first NaN).
 * The Markov bias is accumulated in fp64 and rounded once to fp32. That makes it
   independent of the summation order of whatever BLAS or kernel computes it, so
   the compiled op can reproduce it token for token.
@@ -25,12 +29,18 @@ Semantics (per request ``r``, left to right over the block's positions)::
   :func:`gumbel_noise`; it is identical on every device and in the kernels.
 * The confidence of position ``i`` uses the embedding of the PREVIOUS token
   (the anchor for ``i == 0``). Without a confidence head every confidence is 1.
-* Draft length: the longest prefix whose running product of the fp32
-  confidences (multiplied in fp64) stays ``>= threshold``, so it can be
-  recomputed from the returned confidences. A draft CAN be empty (length 0 when
-  ``conf_0 < threshold``); threshold 0 always keeps the whole block. Tokens and
-  confidences are still produced for every position.
+* Draft length (DSpark's ``_confident_prefix_length``): the number of positions
+  before the FIRST position whose own confidence is below ``threshold``
+  (``conf_i < threshold``, fp32 confidence compared in fp64); every position
+  when none is. Confidences [.95, .9, .9, .85, .8, .8, .7] at threshold 0.8
+  give 6. A draft CAN be empty (length 0 when ``conf_0 < threshold``);
+  ``threshold <= 0`` always keeps the whole block. Tokens and confidences are
+  still produced for every position.
 * ``-inf`` base logits are allowed (a row of only ``-inf`` proposes token 0).
+* Anchor policy: an anchor outside ``[0, vocab)`` has no Markov embedding:
+  position 0 uses ``e = 0`` (no bias, and the confidence's Markov part is 0);
+  later positions are drafted normally. Nothing reads out of bounds and no
+  device-to-host check is needed, so padded or garbage rows are harmless.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ __all__ = [
     "gumbel_hash",
     "gumbel_noise",
     "markov_row_norms",
+    "markov_max_norms",
     "markov_draft_reference",
 ]
 
@@ -109,6 +120,34 @@ def gumbel_noise(seeds: torch.Tensor, position: int, vocab: int) -> torch.Tensor
     return (-torch.log(-torch.log(u))).to(torch.float32)
 
 
+def _argmax_nan_last(scores: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax with ties to the lowest id and NaN ranked below -inf."""
+    nan = torch.isnan(scores)
+    if not bool(nan.any()):
+        return torch.argmax(scores, dim=-1)
+    s = scores.masked_fill(nan, float("-inf"))
+    tok = torch.argmax(s, dim=-1)
+    # Rows whose best is -inf: the first non-NaN entry (index 0 if all are NaN).
+    first_valid = (~nan).to(torch.uint8).argmax(dim=-1)
+    only_ninf = s.gather(1, tok[:, None])[:, 0] == float("-inf")
+    return torch.where(only_ninf, first_valid, tok)
+
+
+def markov_max_norms(markov_w1: torch.Tensor, w2_row_norms: torch.Tensor) -> torch.Tensor:
+    """``[max_j ||markov_w1[j]||, max_j w2_row_norms[j]]`` as fp32 [2] (same device).
+
+    The CUDA kernel bounds every Markov bias by the product of the two without
+    knowing the previous token, which lets it look at all block positions at
+    once. Compute once per loaded model (like ``w2_row_norms``) and pass it as
+    ``max_norms``; without it the CUDA op recomputes it each call (a pass over
+    ``markov_w1``). The w1 maximum is rounded UP by 1e-6 relative so that the
+    fp64 norm of any row stays below it.
+    """
+    w1n = markov_row_norms(markov_w1).to(torch.float64).max() * (1.0 + 1e-6)
+    w2n = w2_row_norms.to(torch.float64).max()
+    return torch.stack([w1n, w2n]).to(torch.float32)
+
+
 def markov_row_norms(markov_w2: torch.Tensor) -> torch.Tensor:
     """``||markov_w2[j]||_2`` for every token, fp32 [vocab] (fp64 accumulation).
 
@@ -172,7 +211,8 @@ def markov_draft_reference(
     conf_w_markov : [rank] fp32 or None, Markov part of the confidence weight.
     temperature : [R] fp32 or None (greedy); ``<= 0`` means greedy for that request.
     seeds : [R] int64 or None (zeros).
-    threshold : early-stop threshold on the running product of confidences.
+    threshold : the draft stops before the first position whose confidence is
+        below it (``<= 0`` keeps the whole block).
     return_logits : also return the corrected fp32 logits [R, B, V]
         (base + bias, before temperature and noise).
 
@@ -195,14 +235,15 @@ def markov_draft_reference(
     conf = torch.ones(R, B, dtype=torch.float32, device=dev)
     all_logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
                   if return_logits else None)
-    run = torch.ones(R, dtype=torch.float64, device=dev)
     alive = torch.ones(R, dtype=torch.bool, device=dev)
     lengths = torch.zeros(R, dtype=torch.int32, device=dev)
 
     bias_of = _Bias(markov_w2)
     prev = anchor_ids.to(torch.int64)
     for i in range(B):
-        e = markov_w1[prev].to(torch.float32)                      # [R, rank]
+        valid = (prev >= 0) & (prev < V)  # only the anchor can be out of range
+        e = markov_w1[prev.clamp(0, V - 1)].to(torch.float32)      # [R, rank]
+        e = torch.where(valid[:, None], e, torch.zeros_like(e))
         logits = base_logits[:, i].to(torch.float32) + bias_of(e)  # [R, V]
         if all_logits is not None:
             all_logits[:, i] = logits
@@ -210,7 +251,7 @@ def markov_draft_reference(
         if bool(sampled.any()):
             noisy = logits / safe_t[:, None] + gumbel_noise(seeds, i, V)
             scores = torch.where(sampled[:, None], noisy, logits)
-        tok = torch.argmax(scores, dim=-1)  # first maximal index on ties
+        tok = _argmax_nan_last(scores)  # first maximal index on ties
         tokens[:, i] = tok
 
         if conf_base is not None:
@@ -218,8 +259,9 @@ def markov_draft_reference(
             if conf_w_markov is not None:
                 z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
             conf[:, i] = torch.sigmoid(z).to(torch.float32)
-        run = run * conf[:, i].to(torch.float64)
-        alive = alive & (run >= threshold)
+        # DSpark's rule: stop before the first position below the threshold
+        # (NaN compares false, so it never stops a draft).
+        alive = alive & ~(conf[:, i].to(torch.float64) < threshold)
         lengths += alive.to(torch.int32)
         prev = tok
 
