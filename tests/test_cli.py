@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import K3_CONFIG, K3_PARAMS, QWEN3_CONFIG, k3_dict, tiny_config
 from vllm_dspark import cli
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import count_parameters
 
-from .conftest import K3_CONFIG, QWEN3_CONFIG, k3_dict, tiny_config
-
 SCRIPT = Path(sys.executable).with_name("vllm-dspark")
-K3_PARAMS = 2_249_289_601  # the model card's number
+
 QWEN3_PARAMS = 1_126_422_017
 
 
@@ -94,7 +93,7 @@ def test_main_json_qwen3(capsys):
 
 def test_parameter_count_matches_the_facts_breakdown():
     # FACTS.md: 5 x 381,696,128 + fc 256,901,120 + Markov 2 x 163840 x 256 + confidence 7,425 + norms 14,336.
-    assert 5 * 381_696_128 + 256_901_120 + 2 * 163840 * 256 + 7_425 + 14_336 == K3_PARAMS
+    assert K3_PARAMS == 5 * 381_696_128 + 256_901_120 + 2 * 163840 * 256 + 7_425 + 14_336
     assert count_parameters(DSparkConfig.from_json(K3_CONFIG)) == K3_PARAMS
 
 

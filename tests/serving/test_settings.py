@@ -1,50 +1,107 @@
-"""Early-stop settings and the early-stop counters (no engine)."""
+"""DSpark settings: sources, precedence, validation, transport (no engine)."""
 
 from __future__ import annotations
 
 import pytest
 
-from vllm_dspark.spec_decode.settings import (DSparkSettingsError, markov_enabled, parse_threshold,
-                                              resolve_threshold)
+from tests.helpers import tiny_config
+from vllm_dspark.serving.settings import DSparkSettings, DSparkSettingsError, attach, resolve_settings, settings_of
 
 
-def test_threshold_from_config_and_env(monkeypatch):
-    monkeypatch.delenv("VLLM_DSPARK_CONFIDENCE_THRESHOLD", raising=False)
-    assert resolve_threshold({}) == (0.0, "default")
-    assert resolve_threshold({"confidence_threshold": 0.25}) == (0.25, "draft config.json")
-    monkeypatch.setenv("VLLM_DSPARK_CONFIDENCE_THRESHOLD", "0.6")
-    assert resolve_threshold({"confidence_threshold": 0.25}) == (0.6, "VLLM_DSPARK_CONFIDENCE_THRESHOLD")
+def resolve(cfg=None, *, dc=None, opts=None, n=None, served=4096, env=None):
+    cfg = cfg or tiny_config(max_position_embeddings=4096)
+    return resolve_settings(cfg, draft="/d", dflash_config=dc, spec_options=opts, num_speculative_tokens=n,
+                            served_context=served, environ=env or {})
 
 
-@pytest.mark.parametrize("bad", ["-0.1", "1.01", "nan", "half"])
-def test_bad_thresholds_name_the_setting(bad):
-    with pytest.raises(DSparkSettingsError, match=r"SRC: got .*\[0, 1\]"):
-        parse_threshold(bad, "SRC")
+def test_defaults_budget_with_confidence_head_fixed_without():
+    s = resolve()
+    assert s.verification == "budget" and s.source("verification") == "default"
+    assert s.window is None and s.max_draft_context is None and s.draft_sampling == "auto"
+    assert s.max_draft_tokens == s.num_draft_tokens == 5
+    s = resolve(tiny_config(max_position_embeddings=4096, enable_confidence_head=False,
+                            confidence_head_with_markov=False))
+    assert s.verification == "fixed"
 
 
-def test_bad_config_threshold(monkeypatch):
-    monkeypatch.delenv("VLLM_DSPARK_CONFIDENCE_THRESHOLD", raising=False)
-    with pytest.raises(DSparkSettingsError, match="dflash_config.confidence_threshold"):
-        resolve_threshold({"confidence_threshold": 2})
+def test_threshold_implies_the_reference_rule_and_precedence():
+    s = resolve(dc={"confidence_threshold": 0.25})
+    assert (s.verification, s.threshold) == ("threshold", 0.25)
+    assert s.source("threshold") == "dflash_config.confidence_threshold"
+    s = resolve(dc={"confidence_threshold": 0.25}, env={"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.6"})
+    assert s.threshold == 0.6 and s.source("threshold") == "VLLM_DSPARK_CONFIDENCE_THRESHOLD"
+    s = resolve(dc={"confidence_threshold": 0.25}, env={"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.6"},
+                opts={"threshold": 0.7, "verification": "product"})
+    assert (s.verification, s.threshold) == ("product", 0.7)
+    assert s.source("verification") == "speculative_config['dspark']['verification']"
 
 
-def test_markov_switch(monkeypatch):
-    monkeypatch.delenv("VLLM_DSPARK_DISABLE_MARKOV", raising=False)
-    assert markov_enabled()
-    monkeypatch.setenv("VLLM_DSPARK_DISABLE_MARKOV", "1")
-    assert not markov_enabled()
-    monkeypatch.setenv("VLLM_DSPARK_DISABLE_MARKOV", "yes")
+def test_window_defaults_to_trained_context_only_when_served_longer():
+    cfg = tiny_config(max_position_embeddings=512)
+    assert resolve(cfg, served=512).window is None
+    s = resolve(cfg, served=8192)
+    assert s.window == 512 and "trained context" in s.source("window")
+    assert "most recent 512" in s.context_note()
+    assert resolve(cfg, served=8192, opts={"window": "off"}).window is None
+    assert resolve(cfg, served=8192, opts={"window": 0}).window is None
+    assert resolve(cfg, served=8192, env={"VLLM_DSPARK_WINDOW": "2048"}).window == 2048
+    assert resolve(cfg, served=8192, dc={"use_swa": True, "swa_window_size": 1024}).window == 1024
+    assert resolve(cfg, served=8192, dc={"use_swa": False}).window is None
+    note = resolve(cfg, served=8192, opts={"window": None}).context_note()
+    assert "window is OFF" in note
+
+
+@pytest.mark.parametrize("opts, needle", [
+    ({"verification": "sometimes"}, "verification (speculative_config['dspark']['verification']): got 'sometimes'"),
+    ({"threshold": 1.5}, "threshold (speculative_config['dspark']['threshold']): got 1.5"),
+    ({"threshold": "nan"}, "expected a number in [0, 1]"),
+    ({"window": 3}, "window (speculative_config['dspark']['window']): got 3, expected 0/'off' or at least 6"),
+    ({"window": "wide"}, "expected a token count or 'off'"),
+    ({"max_draft_context": -4}, "max_draft_context"),
+    ({"draft_sampling": "nucleus"}, "draft_sampling"),
+    ({"verification": "threshold"}, "needs a threshold in (0, 1]"),
+    ({"windwo": 4}, "unknown keys ['windwo']"),
+    ({"costs": {"verify": [[1, 0.1]]}}, "costs (speculative_config['dspark']['costs'])"),
+])
+def test_bad_values_name_the_setting_source_and_fix(opts, needle):
+    with pytest.raises(DSparkSettingsError) as exc:
+        resolve(opts=opts)
+    assert needle in str(exc.value)
+
+
+def test_all_problems_at_once():
+    with pytest.raises(DSparkSettingsError) as exc:
+        resolve(opts={"threshold": 2, "window": 1, "draft_sampling": "x"}, n=9)
+    msg = str(exc.value)
+    for needle in ("threshold", "window", "draft_sampling", "num_speculative_tokens: got 9"):
+        assert needle in msg
+
+
+def test_threshold_rules_need_a_confidence_head():
+    cfg = tiny_config(enable_confidence_head=False, confidence_head_with_markov=False)
+    with pytest.raises(DSparkSettingsError, match="needs the drafter's confidence head"):
+        resolve(cfg, opts={"verification": "budget"})
+
+
+def test_markov_switch():
+    assert resolve().use_markov
+    assert not resolve(env={"VLLM_DSPARK_DISABLE_MARKOV": "1"}).use_markov
     with pytest.raises(DSparkSettingsError, match="VLLM_DSPARK_DISABLE_MARKOV"):
-        markov_enabled()
+        resolve(env={"VLLM_DSPARK_DISABLE_MARKOV": "yes"})
 
 
-def test_early_stop_counters_and_log_line():
-    from vllm_dspark.spec_decode.proposer_v1 import EarlyStopStats
+def test_transport_through_the_hf_config_is_strict():
+    class Hf:
+        pass
 
-    s = EarlyStopStats()
-    s.add(7, [7, 3, 0])
-    s.add(7, [7, 7])
-    assert s.as_dict() == {"steps": 2, "requests": 5, "requests_cut": 2, "tokens_drafted": 35,
-                           "tokens_kept": 24, "empty_drafts": 1}
-    assert s.line() == ("DSpark early stop: 2/5 drafts cut (40.0%), 11/35 draft tokens not verified, "
-                        "mean kept length 4.80, 1 empty drafts")
+    hf = Hf()
+    with pytest.raises(DSparkSettingsError, match="carries no dspark_settings"):
+        settings_of(hf)
+    s = resolve(opts={"window": 64, "max_draft_context": 3000})
+    attach(hf, s)
+    assert isinstance(hf.dspark_settings, dict)  # picklable and JSON-able with vLLM's config
+    assert settings_of(hf) == s
+    bad = dict(hf.dspark_settings, windw=3)
+    with pytest.raises(DSparkSettingsError, match=r"unknown \['windw'\]"):
+        DSparkSettings.from_dict(bad)
+    assert s.cuts_drafts  # the context gate cuts drafts: needs synchronous scheduling

@@ -16,10 +16,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm_dspark.ops import is_compiled_available, markov_draft_reference, markov_row_norms
+from vllm_dspark.ops import is_compiled_available, markov_draft_reference
 from vllm_dspark.spec_decode import model_v2
 from vllm_dspark.spec_decode.model_v2 import (
-    MarkovStageWeights,
+    MarkovWeights,
     derive_draft_seeds,
     request_sampling_params,
     run_markov_stage,
@@ -92,8 +92,8 @@ def make_model(vocab, *, dtype=torch.float32, with_markov=True, seed=1):
     w2 = (torch.randn(vocab, RANK, generator=g) * 0.7).to(dtype)
     proj = torch.randn(H + (RANK if with_markov else 0), generator=g) * 0.2
     bias = 0.3
-    weights = MarkovStageWeights(w1, w2, markov_row_norms(w2), proj[:H].contiguous(), bias,
-                                 proj[H:].contiguous() if with_markov else None)
+    weights = MarkovWeights.build(vocab=vocab, markov_w1=w1, markov_w2=w2, conf_weight=proj,
+                                  conf_bias=bias, hidden_size=H, conf_with_markov=with_markov)
 
     def compute_draft_logits(h):
         return h.to(dtype) @ lm_head.T
@@ -285,8 +285,8 @@ def _vllm_config(target: dict, draft: dict):
 
 
 def test_k3_worker_check(monkeypatch):
-    from vllm_dspark.deploy import compat
     from vllm_dspark.deploy.plan import bundled_k3_paths
+    from vllm_dspark.serving import compat
 
     draft_path, target_path = bundled_k3_paths()
     draft, target = json.loads(draft_path.read_text()), json.loads(target_path.read_text())

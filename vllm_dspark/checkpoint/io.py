@@ -14,9 +14,9 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 

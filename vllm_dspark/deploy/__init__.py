@@ -1,6 +1,5 @@
-"""Deployment tools: target compatibility, memory planning, Ray serving and batch jobs.
+"""Deployment tools: memory planning, Ray serving and batch jobs (target compatibility is in ``serving``).
 
-``compat``   does a drafter fit a target (and the Kimi K3 residual-stream rule)
 ``plan``     per-GPU memory for drafter weights, drafter KV, target MLA cache, KDA state
 ``batch``    resumable JSONL batch generation (used by ``scripts/batch_generate.py``)
 ``ray_cpu``  TEST-ONLY Ray executor for vLLM's CPU platform (never for serving)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm_dspark.config import DSparkConfig
+from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.rope import apply_rope, rope_inv_freq_and_scale
 
 
@@ -173,11 +174,21 @@ class DSparkDraftModel(nn.Module):
         return self.norm(x)
 
     @staticmethod
-    def block_mask(ctx_lengths: torch.Tensor, num_ctx: int, block: int) -> torch.Tensor:
-        """[N, B, C + B] mask: each block sees its first ctx_lengths[n] context tokens and the whole block."""
-        ctx_ok = torch.arange(num_ctx, device=ctx_lengths.device)[None, :] < ctx_lengths[:, None]  # [N, C]
-        ctx_ok = ctx_ok[:, None, :].expand(-1, block, -1)
-        blk = torch.ones(ctx_lengths.shape[0], block, block, dtype=torch.bool, device=ctx_lengths.device)
+    def block_mask(ctx_lengths: torch.Tensor, num_ctx: int, block: int, window: int | None = None) -> torch.Tensor:
+        """[N, B, C + B] mask: each block sees its context tokens and the whole block.
+
+        ``window`` (the serving path's draft attention window, vLLM's sliding-window
+        rule): query ``i`` at position ``p + i`` sees context positions ``k`` with
+        ``p + i - k < window``.
+        """
+        dev = ctx_lengths.device
+        cols = torch.arange(num_ctx, device=dev)[None, None, :]  # [1, 1, C]
+        p = ctx_lengths[:, None, None]  # [N, 1, 1]
+        ctx_ok = (cols < p).expand(-1, block, -1)  # [N, B, C]
+        if window is not None:
+            q = p + torch.arange(block, device=dev)[None, :, None]  # [N, B, 1]
+            ctx_ok = ctx_ok & (q - cols < window)
+        blk = torch.ones(ctx_lengths.shape[0], block, block, dtype=torch.bool, device=dev)
         return torch.cat([ctx_ok, blk], dim=-1)
 
     # ---------------------------------------------------------------- heads
@@ -204,25 +215,25 @@ class DSparkDraftModel(nn.Module):
         w, b = self.confidence_head.proj.weight.float(), self.confidence_head.proj.bias.float()
         return (x @ w.t() + b).squeeze(-1)
 
-    def confidence_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Split the confidence projection: (hidden part + bias [...], Markov weight [r] or None).
-
-        The hidden part is parallel over positions; only the Markov part needs the
-        sequentially drafted previous token, so the Markov draft op takes it apart.
-        """
-        assert self.confidence_head is not None
-        h = self.config.hidden_size
-        w = self.confidence_head.proj.weight.float()[0]  # [H (+ r)]
-        base = hidden.float() @ w[:h] + self.confidence_head.proj.bias.float()[0]
-        w_markov = w[h:] if self.config.confidence_head_with_markov else None
-        return base, w_markov
+    def markov_weights(self) -> MarkovWeights:
+        """The sequential stage's weights in the op's form (shared with the vLLM model classes)."""
+        cfg = self.config
+        head, conf = self.markov_head, self.confidence_head
+        return MarkovWeights.build(
+            vocab=cfg.vocab_size,
+            markov_w1=head.markov_w1.weight if head is not None else None,
+            markov_w2=head.markov_w2.weight if head is not None else None,
+            conf_weight=conf.proj.weight if conf is not None else None,
+            conf_bias=conf.proj.bias if conf is not None else None,
+            hidden_size=cfg.hidden_size, conf_with_markov=cfg.confidence_head_with_markov,
+            device=self.fc.weight.device)
 
     # ---------------------------------------------------------------- drafting
     @torch.no_grad()
     def draft(self, aux_hidden: torch.Tensor, ctx_lengths: torch.Tensor, anchor_ids: torch.Tensor,
               embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, *,
               temperature: torch.Tensor | float = 0.0, seeds: torch.Tensor | None = None,
-              threshold: float = 0.0, use_markov: bool = True) -> DraftOutput:
+              threshold: float = 0.0, use_markov: bool = True, window: int | None = None) -> DraftOutput:
         """Draft one block per request.
 
         Parameters
@@ -234,8 +245,10 @@ class DSparkDraftModel(nn.Module):
         lm_head_weight : [V, H] the target's LM head.
         temperature : float or [N]; <= 0 drafts greedily.
         seeds : [N] int64 seeds of the Gumbel draws (sampled drafting only).
-        threshold : confidence-gated early stop on the running product (0 keeps all).
+        threshold : confidence early stop: keep drafts before the first position whose
+            confidence is below it (0 keeps all).
         use_markov : False drafts without the Markov bias (the DFlash-style ablation).
+        window : draft attention window (context tokens older than it are not seen).
         """
         from vllm_dspark.ops.markov_reference import markov_draft_reference
 
@@ -248,7 +261,7 @@ class DSparkDraftModel(nn.Module):
         q_pos = ctx_lengths[:, None].long() + torch.arange(b, device=device)[None, :]
         ctx_pos = torch.arange(c, device=device)[None, :].expand(n, -1)
         hidden = self.backbone(aux_hidden, ctx_pos, embed_weight[q_ids].to(aux_hidden.dtype), q_pos,
-                               self.block_mask(ctx_lengths, c, b))
+                               self.block_mask(ctx_lengths, c, b, window))
         if cfg.query_layout == "one_plus_n":
             hidden = hidden[:, 1:]  # the masks sit at the predicted positions
         base = hidden.float() @ lm_head_weight.float().t()  # [N, D, V]
@@ -256,21 +269,12 @@ class DSparkDraftModel(nn.Module):
             temperature = torch.full((n,), float(temperature), device=device)
         if seeds is None:
             seeds = torch.zeros(n, dtype=torch.long, device=device)
-        if self.confidence_head is not None:
-            conf_base, conf_w = self.confidence_parts(hidden)
-        else:
-            conf_base, conf_w = None, None
-        if self.markov_head is not None:
-            w1, w2 = self.markov_head.markov_w1.weight, self.markov_head.markov_w2.weight
-            if not use_markov:
-                # Ablate the bias only: the confidence head still reads the real
-                # Markov embedding it was trained with.
-                w2 = torch.zeros_like(w2)
-        else:
-            w1 = torch.zeros(cfg.vocab_size, 1, device=device)
-            w2 = torch.zeros(cfg.vocab_size, 1, device=device)
+        mw = self.markov_weights()
+        if not use_markov:
+            mw = mw.without_bias()
         tokens, conf, lengths = markov_draft_reference(
-            base, anchor_ids, w1, w2, conf_base, conf_w, temperature, seeds, threshold)
+            base, anchor_ids, mw.markov_w1, mw.markov_w2, mw.confidence_base(hidden), mw.conf_w_markov,
+            temperature, seeds, threshold)
         return DraftOutput(tokens=tokens, confidence=conf, lengths=lengths, base_logits=base, hidden=hidden)
 
 

@@ -1,10 +1,16 @@
-"""Patches to upstream vLLM, one file per patched module; see ``registry``.
+"""Patches to upstream vLLM 0.32, one file per patched module; see ``registry``.
 
 Importing a patch module registers it; ``registry.apply_all`` applies them.
 """
 
-from vllm_dspark.patch import config_speculative, worker_gpu_model_runner  # noqa: F401  (registration)
-from vllm_dspark.patch import v1_sample_rejection_sampler  # noqa: F401  (registration)
+from vllm_dspark.patch import (  # noqa: F401  (registration)
+    config_speculative,
+    engine_arg_utils,
+    v1_sample_rejection_sampler,
+    worker_cpu_worker,
+    worker_gpu_model_runner,
+    worker_gpu_worker,
+)
 from vllm_dspark.patch.registry import PATCHES, apply_all, describe, restore_all
 
 __all__ = ["PATCHES", "apply_all", "describe", "restore_all"]

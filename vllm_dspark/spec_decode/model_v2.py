@@ -83,16 +83,19 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+
+from vllm_dspark.model.markov_weights import MarkovWeights
+from vllm_dspark.versions import V2_SERIES, require
 
 logger = logging.getLogger("vllm_dspark")
 
 __all__ = [
     "DSparkV2DraftModel",
-    "MarkovStageWeights",
+    "MarkovWeights",
     "check_k3_worker",
     "derive_draft_seeds",
     "request_sampling_params",
@@ -114,35 +117,6 @@ def _log_once(reason: str) -> None:
 
 
 # ---------------------------------------------------------------------------- pure logic
-@dataclass(frozen=True)
-class MarkovStageWeights:
-    """What the op reads from the draft model, trimmed to the real draft vocabulary V.
-
-    markov_w1, markov_w2 : [V, rank], same float dtype, contiguous
-    w2_row_norms : [V] fp32, ``markov_row_norms(markov_w2)``
-    conf_w_hidden : [H] fp32 or None (no confidence head)
-    conf_bias : float, the confidence projection's bias (0 without one)
-    conf_w_markov : [rank] fp32 or None (head without the Markov input)
-    """
-
-    markov_w1: torch.Tensor
-    markov_w2: torch.Tensor
-    w2_row_norms: torch.Tensor
-    conf_w_hidden: torch.Tensor | None = None
-    conf_bias: float = 0.0
-    conf_w_markov: torch.Tensor | None = None
-
-    @property
-    def vocab(self) -> int:
-        return self.markov_w2.shape[0]
-
-    def confidence_base(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Hidden part of the confidence pre-activation, [..., H] -> [...] fp32 (None without a head)."""
-        if self.conf_w_hidden is None:
-            return None
-        return hidden.float() @ self.conf_w_hidden + self.conf_bias
-
-
 def why_not_weights(markov_w1: Any, markov_w2: Any, vocab: int) -> str | None:
     """Whether the op can read these Markov weights as they are, or the reason it can't."""
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -235,7 +209,7 @@ def run_markov_stage(
     speculator: Any,
     num_reqs: int,
     head_hidden: torch.Tensor,
-    weights: MarkovStageWeights,
+    weights: MarkovWeights,
     compute_draft_logits: Callable[[torch.Tensor], torch.Tensor],
     op: Callable[..., Any] | None = None,
 ) -> None:
@@ -246,7 +220,7 @@ def run_markov_stage(
     speculator : vLLM 0.33 ``DSparkSpeculator`` (or an object with its attributes)
     num_reqs : requests in this (possibly padded) step
     head_hidden : [num_tokens, H], the backbone's output for every query row
-    weights : the draft model's :class:`MarkovStageWeights`
+    weights : the draft model's :class:`MarkovWeights`
     compute_draft_logits : [rows, H] -> [rows, V] base logits (the target's LM head)
     op : ``torch.ops.vllm_dspark.markov_draft`` (default) or a stand-in with its schema
 
@@ -293,7 +267,7 @@ def run_markov_stage(
 
     op(base, anchors, weights.markov_w1, weights.markov_w2, weights.w2_row_norms,
        conf_base, conf_w_markov, temperature, seeds, 0.0,
-       out_tokens, out_conf, out_lengths, out_logits, None)
+       out_tokens, out_conf, out_lengths, out_logits, None, weights.max_norms)
 
     if out_logits is not None:
         idx_map = speculator.sample_idx_mapping[:num_sample].view(num_reqs, n)
@@ -312,7 +286,7 @@ def check_k3_worker(vllm_config: Any) -> str:
     targets return ``"not-needed"`` without parsing the draft's config (this
     class also serves upstream-format Qwen3 DSpark checkpoints).
     """
-    from vllm_dspark.deploy.compat import ensure_for_vllm_config, is_kimi_k3, load_target_config
+    from vllm_dspark.serving.compat import ensure_for_vllm_config, is_kimi_k3, load_target_config
 
     if not is_kimi_k3(load_target_config(vllm_config.model_config.hf_config)):
         return "not-needed"
@@ -324,24 +298,24 @@ def _build_class():
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     from vllm_dspark.checkpoint.io import canonical_name
+    from vllm_dspark.serving.settings import ENV
     from vllm_dspark.spec_decode.model_v1 import expose_dspark_keys
-    from vllm_dspark.spec_decode.settings import THRESHOLD_ENV
 
     class DSparkV2DraftModel(Qwen3DSparkForCausalLM):
         """Upstream's Qwen3 DSpark draft whose sequential stage runs on the Markov draft op."""
 
         def __init__(self, *, vllm_config, prefix: str = ""):
             hf_config = vllm_config.speculative_config.draft_model_config.hf_config
-            expose_dspark_keys(hf_config)
+            expose_dspark_keys(hf_config, allow_no_markov=False)
             check_k3_worker(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self._markov: MarkovStageWeights | None = None
+            self._markov: MarkovWeights | None = None
             self._markov_reason: str | None = "weights not loaded yet"
             self._decision: tuple[int, bool] | None = None
-            if os.environ.get(THRESHOLD_ENV):
+            if os.environ.get(ENV["threshold"]):
                 logger.warning("vllm_dspark: %s is not applied on vLLM 0.33's V2 path; use the speculative "
                                "config's enable_adaptive_verification (fed by the confidence head)",
-                               THRESHOLD_ENV)
+                               ENV["threshold"])
 
         def load_weights(self, weights):
             loaded = super().load_weights((canonical_name(name), w) for name, w in weights)
@@ -349,8 +323,6 @@ def _build_class():
             return loaded
 
         def _prepare_markov(self) -> None:
-            from vllm_dspark.ops import markov_row_norms
-
             self._markov, self._decision = None, None
             V = self.logits_processor.org_vocab_size
             head = self.model.markov_head
@@ -370,17 +342,13 @@ def _build_class():
             self._markov_reason = reason
             if reason is not None:
                 return
-            w1, w2 = w1.data[:V].contiguous(), w2.data[:V].contiguous()
             conf = self.model.confidence_head
-            cw = cb = cm = None
-            if conf is not None:
-                w = conf.proj.weight.data.float()[0].clone()  # [H (+ rank)]
-                h = self.config.hidden_size
-                cw = w[:h].contiguous()
-                cm = w[h:].contiguous() if conf.with_markov else None
-                bias = getattr(conf.proj, "bias", None)
-                cb = float(bias.data.float()[0]) if bias is not None else 0.0
-            self._markov = MarkovStageWeights(w1, w2, markov_row_norms(w2), cw, cb or 0.0, cm)
+            bias = getattr(conf.proj, "bias", None) if conf is not None else None
+            self._markov = MarkovWeights.build(
+                vocab=V, markov_w1=w1.data, markov_w2=w2.data,
+                conf_weight=conf.proj.weight.data if conf is not None else None,
+                conf_bias=bias.data if bias is not None else None, hidden_size=self.config.hidden_size,
+                conf_with_markov=bool(conf is not None and conf.with_markov))
 
         def sample_sequential(self, speculator, num_reqs: int, head_hidden: torch.Tensor) -> bool:
             """vLLM 0.33 hook: run the Markov stage on the op (True) or leave it to upstream (False)."""
@@ -388,7 +356,7 @@ def _build_class():
                 reason = self._markov_reason
                 if reason is None:
                     reason = why_not_speculator(speculator, self._markov.markov_w2.device)
-                if reason is None and speculator.use_confidence_head and self._markov.conf_w_hidden is None:
+                if reason is None and speculator.use_confidence_head and not self._markov.has_confidence_head:
                     reason = "the speculator wants confidences but the draft has no confidence head"
                 if reason is not None:
                     _log_once(reason)
@@ -416,14 +384,10 @@ def __getattr__(name: str):
     global _cls
     if name == "DSparkV2DraftModel":
         if _cls is None:
-            import vllm
-
-            from vllm_dspark.patch.registry import vllm_series
-
-            version = getattr(vllm, "__version__", "unknown")
-            if vllm_series(version) != "0.33":
-                raise ImportError(f"vllm_dspark: DSparkV2DraftModel is written for vLLM 0.33 (its "
-                                  f"sample_sequential hook); vLLM {version} is installed")
+            try:
+                require(series=V2_SERIES, what="DSparkV2DraftModel (the sample_sequential hook)")
+            except Exception as exc:
+                raise ImportError(str(exc)) from None
             _cls = _build_class()
         return _cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -226,14 +226,10 @@ def bigram_chain(bigram: torch.Tensor, start: int, n: int) -> list[int]:
 
 
 def expected_length(conf: list[float], threshold: float) -> int:
-    """Longest prefix whose running product of confidences stays >= threshold."""
-    prod, n = 1.0, 0
-    for c in conf:
-        prod *= c
-        if prod < threshold:
-            break
-        n += 1
-    return n
+    """The DSpark reference rule: drafts before the first position whose confidence is below threshold."""
+    from vllm_dspark.spec_decode.verify import threshold_length
+
+    return threshold_length(conf, threshold)
 
 
 __all__ = ["make_tokenizer", "make_target", "make_drafter", "random_drafter", "drafter_config_for", "random_bigram",

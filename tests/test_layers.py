@@ -1,0 +1,88 @@
+"""No module imports from a layer above it (read from the source, every import statement counted)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "vllm_dspark"
+
+# Lowest first. A module may import its own layer and any layer below.
+LAYERS: list[tuple[str, ...]] = [
+    ("vllm_dspark.versions", "vllm_dspark.config", "vllm_dspark.cache", "vllm_dspark._C"),
+    # The package root re-exports nothing but its version: it sits at the bottom.
+    ("vllm_dspark.ops",),
+    ("vllm_dspark.model",),
+    ("vllm_dspark.checkpoint",),
+    ("vllm_dspark.serving",),
+    ("vllm_dspark.spec_decode",),
+    ("vllm_dspark.patch",),
+    ("vllm_dspark.plugin",),
+    # Applications built on everything above; nothing below imports them.
+    ("vllm_dspark.deploy", "vllm_dspark.bench", "vllm_dspark.testing", "vllm_dspark.training",
+     "vllm_dspark.cli", "vllm_dspark.default_pair", "vllm_dspark.assets"),
+]
+
+
+def layer_of(module: str) -> int:
+    if module == "vllm_dspark":
+        return 0
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    raise AssertionError(f"{module} is in no layer; add it to tests/test_layers.py")
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    mod = module_name(path)
+    pkg = mod if path.name == "__init__.py" else mod.rsplit(".", 1)[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[: len(base) - node.level + 1]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            out.append(name)
+            out += [f"{name}.{a.name}" for a in node.names if a.name != "*"]
+    return [m for m in out if m.startswith("vllm_dspark")]
+
+
+def upward(me: str, imports: list[str]) -> list[str]:
+    mine = layer_of(me)
+    bad = []
+    for imp in imports:
+        # `from vllm_dspark.x import y` may name a submodule or an attribute; the package decides.
+        try:
+            theirs = layer_of(imp)
+        except AssertionError:
+            theirs = layer_of(imp.rsplit(".", 1)[0])
+        if theirs > mine:
+            bad.append(f"{me} (layer {mine}) imports {imp} (layer {theirs})")
+    return bad
+
+
+def test_every_module_is_placed_and_imports_only_downwards():
+    modules = sorted(PKG.rglob("*.py"))
+    assert len(modules) > 30
+    bad = [b for path in modules for b in upward(module_name(path), imports_of(path))]
+    assert not bad, "imports that run up a floor:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_the_check_sees_an_upward_import():
+    assert upward("vllm_dspark.spec_decode.model_v2", ["vllm_dspark.patch.registry"])
+    assert upward("vllm_dspark.serving.settings", ["vllm_dspark.spec_decode.budget"])
+    assert not upward("vllm_dspark.patch.config_speculative", ["vllm_dspark.serving.settings"])
