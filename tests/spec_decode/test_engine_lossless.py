@@ -1,6 +1,7 @@
 """DSpark inside vLLM's V1 runner (CPU): lossless greedy decoding, acceptance, the op, the reference.
 
-One engine for the module: method "dspark", the drafter's full block of 7.
+One engine for the module: method "dspark", the drafter's full block of 7, verified in full
+(``verification: fixed``; the budget has its own module).
 """
 
 from __future__ import annotations
@@ -8,10 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import MAX_TOKENS
-from tests.engine.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.testing.engine import (acceptance_summary, llm_engine, read_trace, spec_metrics,
-                                        verified_draft_tokens)
+from tests.helpers import MAX_TOKENS
+from tests.reference_check import ReferenceDrafter, check_trace_against_reference
+from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, verified_draft_tokens
 
 pytestmark = pytest.mark.engine
 
@@ -19,7 +19,8 @@ pytestmark = pytest.mark.engine
 @pytest.fixture(scope="module")
 def engine(qwen_pair, qwen_baseline, tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
-    spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7}
+    spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7,
+            "dspark": {"verification": "fixed"}}
     with llm_engine(qwen_pair["target"], speculative_config=spec,
                     env={"VLLM_DSPARK_TRACE": str(trace)}) as llm:
         yield llm, trace
@@ -48,7 +49,7 @@ def test_drafts_are_accepted_and_counted(greedy_run):
     # The drafter knows 80% of the target's bigram table: long accepted runs, real rejections.
     assert 2.5 < s["mean_acceptance_length"] < 8.0, s
     assert len(s["per_position_acceptance"]) == 7
-    # Threshold 0 and the full block: every draft step verifies 7 tokens per request.
+    # Fixed verification of the full block: every draft step verifies 7 tokens per request.
     assert s["num_draft_tokens"] == 7 * s["num_drafts"]
     assert all(r["kept"] == 7 for r in trace)
     # Each request's last proposal comes after its final token and is never verified.

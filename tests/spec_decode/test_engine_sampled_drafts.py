@@ -1,12 +1,13 @@
-"""DSpark with draft_sample_method="probabilistic": drafts sampled from the Markov-corrected
-distribution at each request's temperature, their probabilities handed to the rejection sampler."""
+"""Sampled drafts (the default at temperature > 0): drafts drawn from the Markov-corrected,
+top-k/top-p-filtered distribution at each request's temperature, their probabilities handed to the
+rejection sampler; greedy requests in the same batch still draft greedily through the op."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.engine.conftest import MAX_TOKENS
+from tests.helpers import MAX_TOKENS
 from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.engine
 def engine(qwen_pair, tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7,
-            "draft_sample_method": "probabilistic"}
+            "dspark": {"verification": "fixed"}}
     with llm_engine(qwen_pair["target"], speculative_config=spec, env={"VLLM_DSPARK_TRACE": str(trace)}) as llm:
         yield llm, trace
 
@@ -47,5 +48,33 @@ def test_sampled_drafts_reproduce_and_are_accepted(engine, prompts):
     drafts = after["num_drafts"] - before["num_drafts"]
     accepted = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     assert drafts > 0 and 1 + accepted / drafts > 2.0  # the bigram target is peaked: most drafts pass
-    assert {r["path"] for r in read_trace(trace)} == {"compiled"}
+    recs = read_trace(trace)
+    assert {r["path"] for r in recs if r["sampled"]} == {"sampled"} and any(r["sampled"] for r in recs)
     assert acceptance_summary(after)["num_drafts"] == after["num_drafts"]
+
+
+def test_greedy_and_sampled_requests_in_one_batch(engine, prompts):
+    from vllm import SamplingParams
+
+    llm, trace = engine
+    reqs = [{"prompt_token_ids": p} for p in prompts[:6]]
+    params = [SamplingParams(max_tokens=16, temperature=0.0 if i % 2 else 1.0, seed=None if i % 2 else 40 + i,
+                             ignore_eos=True) for i in range(6)]
+    trace.unlink(missing_ok=True)
+    outs = llm.generate(reqs, params)
+    assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    recs = read_trace(trace)
+    assert {r["path"] for r in recs if not r["sampled"]} == {"compiled"}  # greedy rows: the op
+    assert any(r["sampled"] for r in recs)
+
+
+def test_top_k_and_top_p_requests_complete_and_reproduce(engine, prompts):
+    from vllm import SamplingParams
+
+    llm, _ = engine
+    reqs = [{"prompt_token_ids": p} for p in prompts[:4]]
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_k=5, top_p=0.9, seed=90 + i, ignore_eos=True)
+              for i in range(4)]
+    first = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+    second = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
+    assert first == second and all(len(t) == 16 for t in first)

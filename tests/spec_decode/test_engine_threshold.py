@@ -1,10 +1,10 @@
 """Confidence-gated early stop and num_speculative_tokens below the block, on a Llama target.
 
 One engine: a Llama target with an odd vocabulary (301), a block-5 drafter,
-num_speculative_tokens 4 and threshold 0.4 from the environment. The trace
-the proposer writes gives each step's confidences; the kept draft must be the
-longest prefix whose running product stays >= 0.4, capped at 4, and the
-target must verify exactly those tokens.
+num_speculative_tokens 4 and threshold 0.4 from the environment (the DSpark
+reference rule). The trace the proposer writes gives each step's confidences;
+the kept draft must be the drafts before the first position whose confidence
+is below 0.4, capped at 4, and the target must verify exactly those tokens.
 """
 
 from __future__ import annotations
@@ -12,12 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.engine.conftest import MAX_TOKENS, make_prompts
-from tests.engine.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, \
-    verified_draft_tokens
-from vllm_dspark.testing.tiny import (drafter_config_for, expected_length, make_drafter, make_target,
-                                      random_bigram)
+from tests.helpers import MAX_TOKENS, make_prompts
+from tests.reference_check import ReferenceDrafter, check_trace_against_reference
+from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, verified_draft_tokens
+from vllm_dspark.testing.tiny import drafter_config_for, expected_length, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VOCAB = 301

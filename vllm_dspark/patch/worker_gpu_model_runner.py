@@ -1,21 +1,36 @@
-"""Patch of ``vllm.v1.worker.gpu_model_runner``: use the DSpark proposer for DSpark drafts.
+"""Patches of ``vllm.v1.worker.gpu_model_runner`` (the V1 runner; the CPU runner inherits it).
 
-The V1 runner builds a ``DFlashProposer`` for every DFlash-path draft. For a
-draft that ``config_speculative`` marked as DSpark, this patch replaces it,
-right after the runner is built and before any model is loaded, with
-``vllm_dspark.spec_decode.proposer_v1.DSparkProposer`` (a subclass, so every
-``isinstance`` check in the runner still holds). The CPU runner inherits it.
+1. ``GPUModelRunner.__init__``: a draft that ``config_speculative`` resolved
+   as DSpark gets ``DSparkProposer`` (a ``DFlashProposer`` subclass, so every
+   ``isinstance`` check in the runner still holds) instead of upstream's
+   ``DFlashProposer``, right after the runner is built and before any model is
+   loaded.
+
+2. ``GPUModelRunner._sample`` and ``GPUModelRunner._bookkeeping_sync`` (CPU
+   only): a seeded request whose prefill is split over several steps crashes
+   the whole engine on vLLM 0.32's CPU backend. For such a partial step the
+   runner samples a token it then discards, and rewinds the request's
+   generator with ``gen.set_offset(gen.get_offset() - 4)``; a CPU
+   ``torch.Generator`` has no offset and raises ``RuntimeError: CPU Generator
+   does not use offset`` in the engine core, which takes every in-flight
+   request down with it (seen under ``vllm serve`` with long seeded prompts,
+   with or without speculation). The patches keep upstream's intent on CPU:
+   the state of those requests' generators is saved before sampling and
+   restored after it, and the offset rewind is skipped for them.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from vllm_dspark.patch.registry import Patch, register_patch
+from vllm_dspark.serving.settings import ATTR
 
 
 def _is_dspark_draft(vllm_config) -> bool:
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "draft_model_config", None) if spec is not None else None
-    return bool(draft is not None and getattr(draft.hf_config, "dspark_v1", False))
+    return bool(draft is not None and getattr(draft.hf_config, ATTR, None) is not None)
 
 
 def _make_init(original):
@@ -28,13 +43,71 @@ def _make_init(original):
     return __init__
 
 
+def _discarded_with_generator(runner) -> list[int]:
+    n = runner.input_batch.num_reqs
+    idx = np.nonzero(runner.discard_request_mask.np[:n])[0]
+    gens = runner.input_batch.generators
+    return [int(i) for i in idx if int(i) in gens]
+
+
+def _make_sample(original):
+    def _sample(self, logits, spec_decode_metadata):
+        if self.device.type != "cpu":
+            return original(self, logits, spec_decode_metadata)
+        gens = self.input_batch.generators
+        saved = {i: gens[i].get_state() for i in _discarded_with_generator(self)}
+        out = original(self, logits, spec_decode_metadata)
+        for i, state in saved.items():
+            gens[i].set_state(state)
+        return out
+    return _sample
+
+
+def _make_bookkeeping(original):
+    def _bookkeeping_sync(self, *args, **kwargs):
+        if self.device.type != "cpu":
+            return original(self, *args, **kwargs)
+        gens = self.input_batch.generators
+        hidden = {i: gens.pop(i) for i in _discarded_with_generator(self)}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            gens.update(hidden)
+    return _bookkeeping_sync
+
+
 PATCH = register_patch(Patch(
     name="v1-runner-dspark-proposer",
     module="vllm.v1.worker.gpu_model_runner",
     attribute="GPUModelRunner.__init__",
-    what="after the runner is built, a DSpark-marked draft gets DSparkProposer instead of DFlashProposer",
+    what="after the runner is built, a DSpark-resolved draft gets DSparkProposer instead of DFlashProposer",
     why="the V1 runner chooses its proposer class by method and knows no DSpark proposer",
     versions=("0.32",),
     removable_when="vLLM's V1 runner constructs a DSpark proposer itself (or takes a proposer class hook)",
     make=_make_init,
+))
+
+SAMPLE_PATCH = register_patch(Patch(
+    name="cpu-seeded-partial-prefill-sample",
+    module="vllm.v1.worker.gpu_model_runner",
+    attribute="GPUModelRunner._sample",
+    what="on CPU, the generator state of a seeded request in a partial (discarded) step is saved before "
+         "sampling and restored after it",
+    why="vLLM 0.32 rewinds those generators with set_offset, which CPU generators do not support: the "
+        "engine core crashes ('CPU Generator does not use offset') on the first split seeded prefill",
+    versions=("0.32",),
+    removable_when="vLLM rewinds CPU generators by state (or skips sampling discarded requests)",
+    make=_make_sample,
+))
+
+BOOKKEEPING_PATCH = register_patch(Patch(
+    name="cpu-seeded-partial-prefill-bookkeeping",
+    module="vllm.v1.worker.gpu_model_runner",
+    attribute="GPUModelRunner._bookkeeping_sync",
+    what="on CPU, the offset rewind of discarded seeded requests is skipped (their state was restored "
+         "by cpu-seeded-partial-prefill-sample)",
+    why="CPU torch.Generator has no offset; set_offset raises and kills the engine core",
+    versions=("0.32",),
+    removable_when="together with cpu-seeded-partial-prefill-sample",
+    make=_make_bookkeeping,
 ))

@@ -1,27 +1,32 @@
 """DSpark proposer for vLLM's V1 model runner (CPU backend, and GPU users on V1).
 
 A subclass of vLLM's ``DFlashProposer``: context-KV precompute, the non-causal
-block forward, the KV cache and the rejection sampler are upstream's. DSpark
-changes three things:
+block forward, the KV cache and the rejection sampler are upstream's. Each
+step (``propose``):
 
-1. Query layout. Anchor-first checkpoints run ``block_size`` queries
-   ``[anchor, mask x (B-1)]`` and sample every row (B drafts, the target
-   verifies 1 + B tokens); upstream lays out ``1 + N`` and samples the masks.
-   ``one_plus_n`` checkpoints keep upstream's layout.
-2. The sequential stage. Rows are not argmaxed independently: the Markov draft
-   op adds ``markov_w2 @ markov_w1[prev]`` left to right from the anchor and
-   computes each position's confidence. Drafts are greedy, or with
-   ``draft_sample_method: "probabilistic"`` sampled at each request's
-   temperature from the Markov-corrected distribution, whose probabilities go to
-   the rejection sampler.
-3. What the target verifies. Each request keeps the first
-   ``min(num_speculative_tokens, L)`` drafts, where L is the longest prefix whose
-   running product of confidences stays at or above the threshold, so the target
-   verifies (and ``vllm:spec_decode_num_draft_tokens`` counts) only that prefix.
-   A request can keep 0 drafts; its step is then a plain decode step.
+1. **Feedback.** The verify step that just ran tells how many of each
+   request's previous drafts were accepted (``num_rejected_tokens_gpu``); that
+   feeds the confidence calibrator, the counters and the trace. Its duration
+   corrects the cost model.
+2. **Layout.** Anchor-first: ``block_size`` queries ``[anchor, mask x (B-1)]``
+   at positions ``p..p+B-1``, every row sampled (B drafts, the target verifies
+   up to 1 + B tokens). ``one_plus_n`` checkpoints keep upstream's 1 + N layout.
+3. **Block forward** (skipped on steps the budget forecast says will not pay:
+   then only the context K/V of the new tokens is stored, so the drafter's
+   cache stays complete, and every request decodes plainly).
+4. **Sequential stage.** Greedy requests draft through the Markov draft op;
+   requests with temperature > 0 draft by sampling their Markov-corrected,
+   top-k/top-p-filtered distribution (``draft_sampling: auto``), whose
+   probabilities go to the rejection sampler.
+5. **Verification.** How many drafts each request sends to the target:
+   ``budget`` (survival-ranked slots admitted while they pay for their verify
+   cost, :mod:`.budget`), ``threshold`` (the DSpark reference rule),
+   ``product`` (the project's earlier rule) or ``fixed``; requests past
+   ``max_draft_context`` get none.
 
-The drafter always runs its full trained block, so the kept drafts equal the
-first tokens the reference drafter proposes with the same context.
+Every overridden upstream method and every upstream helper called is listed,
+with its signature, in :mod:`.overrides` and checked when the proposer is built.
+Settings come from one :class:`~vllm_dspark.serving.settings.DSparkSettings`.
 """
 
 from __future__ import annotations
@@ -29,204 +34,358 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
+from vllm.forward_context import set_forward_context
+from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
+from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
-from vllm_dspark.config import DSparkConfig
-from vllm_dspark.spec_decode.settings import ProposerSettings, TRACE_ENV, markov_enabled, stats_interval
+from vllm_dspark.serving.settings import DSparkSettings, settings_of
+from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.overrides import check_couplings
+from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
 
 logger = logging.getLogger("vllm_dspark")
 
 
-class EarlyStopStats:
-    """Counters of what the confidence gate and the num_speculative_tokens cut removed."""
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self.requests = 0  # request-steps that drafted
-        self.requests_cut = 0  # request-steps whose kept draft is shorter than the block
-        self.tokens_drafted = 0  # draft tokens that would be verified without the gate
-        self.tokens_kept = 0  # draft tokens sent to the target for verification
-        self.empty_drafts = 0
-        self._lock = threading.Lock()
-
-    def add(self, cap: int, kept: list[int]) -> None:
-        """One draft step: ``cap`` tokens per request would be verified without the gate."""
-        with self._lock:
-            self.steps += 1
-            self.requests += len(kept)
-            self.requests_cut += sum(1 for k in kept if k < cap)
-            self.tokens_drafted += cap * len(kept)
-            self.tokens_kept += sum(kept)
-            self.empty_drafts += sum(1 for k in kept if k == 0)
-
-    def as_dict(self) -> dict:
-        return dict(steps=self.steps, requests=self.requests, requests_cut=self.requests_cut,
-                    tokens_drafted=self.tokens_drafted, tokens_kept=self.tokens_kept,
-                    empty_drafts=self.empty_drafts)
-
-    def line(self) -> str:
-        frac = self.requests_cut / self.requests if self.requests else 0.0
-        kept = self.tokens_kept / self.requests if self.requests else 0.0
-        dropped = self.tokens_drafted - self.tokens_kept
-        return (f"DSpark early stop: {self.requests_cut}/{self.requests} drafts cut ({frac:.1%}), "
-                f"{dropped}/{self.tokens_drafted} draft tokens not verified, mean kept length {kept:.2f}, "
-                f"{self.empty_drafts} empty drafts")
-
-
 class DSparkProposer(DFlashProposer):
     def __init__(self, vllm_config, device, runner=None):
-        spec = vllm_config.speculative_config
-        # DFlashProposer insists on method "dflash", which is how the V1 path carries DSpark.
+        check_couplings()
         super().__init__(vllm_config, device, runner)
-        self.runner = runner  # for request ids in the trace
-        hf = spec.draft_model_config.hf_config
-        self.dspark_config = DSparkConfig.from_dict(hf.to_dict())
-        cfg = self.dspark_config
-        self.block = cfg.block_size
-        self.anchor_first = cfg.query_layout == "anchor_first"
-        self.settings = ProposerSettings(
-            num_draft_tokens=int(getattr(hf, "dspark_num_draft_tokens", cfg.num_draft_tokens)),
-            block_size=cfg.num_draft_tokens,
-            threshold=float(getattr(hf, "dspark_confidence_threshold", 0.0)),
-            threshold_source=str(getattr(hf, "dspark_threshold_source", "default")),
-            trace_path=os.environ.get(TRACE_ENV) or None,
-            stats_interval_s=stats_interval(),
-            use_markov=markov_enabled(),
-        )
-        if self.settings.cuts_drafts and getattr(runner, "use_async_scheduling", False):
-            # With async scheduling the V1 runner reuses a fixed-width draft tensor and
-            # cannot verify per-request prefixes.
-            raise ValueError(
-                "vllm_dspark: cutting drafts (early-stop threshold "
-                f"{self.settings.threshold:g}, or num_speculative_tokens {self.settings.num_draft_tokens} < block "
-                f"{self.settings.block_size}) needs synchronous scheduling on the V1 runner; start vLLM with "
-                "--no-async-scheduling (LLM(..., async_scheduling=False)), or set the threshold to 0 and "
-                "num_speculative_tokens to the block size")
-        self.stats = EarlyStopStats()
+        self.runner = runner
+        spec = vllm_config.speculative_config
+        s = settings_of(spec.draft_model_config.hf_config)
+        if s.cuts_drafts and getattr(runner, "use_async_scheduling", False):
+            if s.source("verification") == "default" and s.max_draft_context is None \
+                    and s.max_draft_tokens == s.num_draft_tokens:
+                logger.warning("vllm_dspark: async scheduling is on, and the V1 runner then verifies a fixed "
+                               "number of drafts per request: budgeted verification is off (start vLLM with "
+                               "--no-async-scheduling to use it)")
+                s = _replace(s, verification="fixed", sources=s.sources + (("verification", "async scheduling"),))
+            else:
+                raise ValueError(
+                    f"vllm_dspark: verification {s.verification!r} (or a context gate, or num_speculative_tokens "
+                    "below the block) cuts drafts per request, which needs synchronous scheduling on the V1 "
+                    "runner; start vLLM with --no-async-scheduling (LLM(..., async_scheduling=False)), or set "
+                    "speculative_config['dspark']['verification'] to 'fixed'")
+        self.settings: DSparkSettings = s
+        self.block = s.block_size
+        self.n_draft = s.num_draft_tokens
+        self.anchor_first = s.query_layout == "anchor_first"
+        self.stats = VerifyStats()
+        self.calibrator = B.Calibrator(self.n_draft)
+        self.survival_profile = B.SurvivalProfile(self.n_draft)
+        self.costs: B.CostModel | None = None
+        if s.costs is not None:
+            self.costs = B.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
+        self._draft_next = True
+        self._skipped_in_row = 0
+        self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
+        self._last_end: float | None = None
         self._last_log = time.monotonic()
-        self._anchor_ids: torch.Tensor | None = None
-        self._last_lengths: torch.Tensor | None = None
-        self._last_conf: torch.Tensor | None = None
-        self._last_path: str | None = None
-        logger.info("vllm_dspark: DSpark proposer ready: %s layout, block %d, keeps %d drafts, "
-                    "early-stop threshold %g (%s)%s", cfg.query_layout, self.block,
-                    self.settings.num_draft_tokens, self.settings.threshold, self.settings.threshold_source,
-                    "" if self.settings.use_markov else ", Markov bias DISABLED (ablation)")
+        self._step = 0
+        self._last_draft_probs = None
+        self.last_markov_path: str | None = None
+        # Seconds per phase, summed over steps (report(): where a step's time goes).
+        self.timings: dict[str, float] = dict.fromkeys(
+            ("outside_propose", "feedback", "layout", "context_kv_only", "block_forward", "markov_stage",
+             "verify"), 0.0)
+        logger.info("vllm_dspark: DSpark proposer ready: %s", s.describe())
+        note = s.context_note()
+        if note:
+            logger.info("vllm_dspark: %s", note)
+
+    # ------------------------------------------------------------------ costs
+    def on_engine_ready(self) -> None:
+        """Called once the engine is warm (worker patch): profile or load the cost model."""
+        if self.settings.verification != "budget" or self.costs is not None:
+            return
+        from vllm_dspark.spec_decode.profile import profile_or_load
+
+        self.costs = profile_or_load(self)
+        logger.info("vllm_dspark: budget cost model (%s): verify %s s by tokens, draft %s s by requests",
+                    self.costs.source, [(n, round(t, 4)) for n, t in self.costs.verify],
+                    [(n, round(t, 4)) for n, t in self.costs.draft])
 
     # ------------------------------------------------------------------ layout
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
                               token_indices_to_sample, cad, num_rejected_tokens_gpu):
-        self._anchor_ids = next_token_ids
-        # Upstream lays out 1 + num_speculative_tokens queries: borrow it for a block of B.
-        saved = self.num_speculative_tokens
-        self.num_speculative_tokens = self.block - 1
-        try:
-            num_query_total, indices, new_cad = super().set_inputs_first_pass(
-                target_token_ids, next_token_ids, target_positions, target_hidden_states,
-                token_indices_to_sample, cad, num_rejected_tokens_gpu)
-        finally:
-            self.num_speculative_tokens = saved
-        if self.anchor_first:  # every query row predicts the token after it
-            indices = self.arange[:num_query_total].to(torch.int32)
-        if self.settings.trace_path:
-            self._anchor_pos = self.positions[:num_query_total].view(-1, self.block)[:, 0].clone()
-        return num_query_total, indices, new_cad
+        """Lay out ``block_size`` queries per request: [anchor, mask x (block - 1)].
 
-    # ------------------------------------------------------------------ Markov stage
-    def _sample_draft_tokens(self, hidden_states, sampling_metadata):
-        from vllm_dspark.ops import last_path, markov_draft
+        Context states become K/V only (``_dflash_hidden_states``); the query rows
+        sampled are all of them (anchor-first) or the masks (1 + N layout).
+        """
+        batch = cad.batch_size()
+        num_context = target_token_ids.shape[0]
+        per_req = self.block
+        total = batch * per_req
+        self._dflash_num_context = num_context
+        self._dflash_hidden_states = target_hidden_states
+        mask_rows = torch.empty(batch * (per_req - 1), dtype=torch.int32, device=self.device)
+        max_tokens = cad.max_query_len + per_req
+        has_rej = num_rejected_tokens_gpu is not None
+        _copy_and_expand_dflash_inputs(
+            next_token_ids_ptr=next_token_ids, target_positions_ptr=target_positions,
+            out_input_ids_ptr=self.input_ids, out_context_positions_ptr=self._context_positions_buffer,
+            out_query_positions_ptr=self.positions,
+            out_context_slot_mapping_ptr=self._context_slot_mapping_buffer,
+            out_query_slot_mapping_ptr=self._slot_mapping_buffer, out_token_indices_ptr=mask_rows,
+            block_table_ptr=cad.block_table_tensor, query_start_loc_ptr=cad.query_start_loc,
+            num_rejected_tokens_ptr=num_rejected_tokens_gpu if has_rej else 0,
+            block_table_stride=cad.block_table_tensor.stride(0),
+            parallel_drafting_token_id=self.parallel_drafting_token_id, block_size=self.block_size,
+            num_query_per_req=per_req, num_speculative_tokens=per_req - 1, total_input_tokens=num_context,
+            max_tokens_per_req=max_tokens, triton_block_size=min(256, next_power_of_2(max_tokens)),
+            has_num_rejected=has_rej)
+        rows = self.arange[:total].to(torch.int32) if self.anchor_first else mask_rows
+        seq_lens = cad.seq_lens - num_rejected_tokens_gpu if has_rej else cad.seq_lens
+        upper = cad.seq_lens_cpu_upper_bound
+        new_cad = CommonAttentionMetadata(
+            query_start_loc=self.arange[: batch + 1] * per_req,
+            seq_lens=seq_lens + per_req,
+            query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: batch + 1]).clone() * per_req,
+            seq_lens_cpu_upper_bound=None if upper is None else upper + per_req,
+            num_reqs=cad.num_reqs, num_actual_tokens=total, max_query_len=per_req,
+            max_seq_len=cad.max_seq_len + per_req, block_table_tensor=cad.block_table_tensor,
+            slot_mapping=self._slot_mapping_buffer[:total], causal=self.dflash_causal)
+        return total, rows, new_cad
+
+    # ------------------------------------------------------------------ one step
+    def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
+                next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
+                mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
+        t0 = time.perf_counter()
+        tm = self.timings
+        if self._last_end is not None:
+            tm["outside_propose"] += t0 - self._last_end  # the target's step, sampling, scheduling
+        cad = common_attn_metadata
+        batch = cad.batch_size()
+        req_ids = self._req_ids(batch)
+        self._step += 1
+        self._feedback(req_ids, cad, num_rejected_tokens_gpu, t0)
+        cap = max(0, min(self.settings.max_draft_tokens, int(num_speculative_tokens)))
+        self._last_draft_probs = None
+        t1 = time.perf_counter()
+        tm["feedback"] += t1 - t0
+
+        hidden = self.model.combine_hidden_states(target_hidden_states)
+        num_query, sample_rows, block_cad = self.set_inputs_first_pass(
+            target_token_ids, next_token_ids, target_positions, hidden, token_indices_to_sample, cad,
+            num_rejected_tokens_gpu)
+        gated = self._context_gate(cad, batch)
+        run_block = cap > 0 and self._draft_next and not all(gated)
+        t2 = time.perf_counter()
+        tm["layout"] += t2 - t1
+        if not run_block:
+            # The drafter's K/V of this step's tokens must still be written, or later drafts would
+            # read a context with holes in it; the block forward and the Markov stage are skipped.
+            n = self._dflash_num_context
+            self.model.precompute_and_store_context_kv(
+                self._dflash_hidden_states, self._context_positions_buffer[:n],
+                self._context_slot_mapping_buffer[:n])
+            tm["context_kv_only"] += time.perf_counter() - t2
+            self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
+            self._prev = {}
+            self._after_skip(batch, cap)
+            self._last_end = time.perf_counter()
+            self._maybe_log()
+            return [[] for _ in range(batch)]
+
+        per_group, per_layer = self.build_per_group_and_layer_attn_metadata(block_cad)
+        mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_query)
+        kwargs, slot_size = self.build_model_inputs_first_pass(num_query, num_input, mm_embed_inputs)
+        with set_forward_context(per_layer, self.vllm_config, num_tokens=num_input,
+                                 num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
+                                 slot_mapping=self._get_slot_mapping(slot_size, block_cad.slot_mapping)):
+            out = self.model(**kwargs)
+        last_hidden = out[0] if isinstance(out, tuple) else out
+        rows = last_hidden[sample_rows]  # [R * N, H]
+        t3 = time.perf_counter()
+        tm["block_forward"] += t3 - t2
+
+        tokens, conf, probs, sampled = self._sequential_stage(rows, next_token_ids[:batch], sampling_metadata,
+                                                              batch, cad)
+        t4 = time.perf_counter()
+        tm["markov_stage"] += t4 - t3
+        caps = [0 if g else cap for g in gated]
+        kept = self._verify(conf, caps, sampled, batch)
+        self.stats.add_step(drafted=True, cap=cap, kept=kept)
+        conf_l = conf.tolist()
+        tok_l = tokens.tolist()
+        self._prev = {rid: (conf_l[i], kept[i], bool(sampled[i])) for i, rid in enumerate(req_ids) if kept[i] > 0}
+        if probs is not None:
+            self._last_draft_probs = probs
+        if self.settings.trace_path:
+            self._trace(req_ids, next_token_ids[:batch].tolist(), tok_l, conf_l, kept, sampled)
+        end = time.perf_counter()
+        tm["verify"] += end - t4
+        if self.costs is not None:
+            self.costs.observe_draft(batch, end - t0)
+        self._last_end = end
+        self._maybe_log()
+        return [row[:k] for row, k in zip(tok_l, kept)]
+
+    # ------------------------------------------------------------------ pieces
+    def _req_ids(self, batch: int) -> list[str]:
+        if self.runner is not None:
+            return list(self.runner.input_batch.req_ids[:batch])
+        return [str(i) for i in range(batch)]
+
+    def _context_gate(self, cad, batch: int) -> list[bool]:
+        gate = self.settings.max_draft_context
+        if gate is None:
+            return [False] * batch
+        lens = cad.seq_lens_cpu_upper_bound if cad.seq_lens_cpu_upper_bound is not None else cad.seq_lens
+        return [int(x) > gate for x in lens[:batch].tolist()]
+
+    def _feedback(self, req_ids, cad, num_rejected, t0) -> None:
+        """Acceptance of the previous drafts, and the duration of the verify step that measured it."""
+        if self.costs is not None and self._last_end is not None and cad.max_query_len <= self.block + 1:
+            # Decode-only steps: the interval is the target's verify step (prefill chunks would skew it).
+            self.costs.observe_verify(int(cad.num_actual_tokens), t0 - self._last_end)
+        if not self._prev:
+            return
+        rej = num_rejected.tolist() if num_rejected is not None else None
+        records = []
+        for i, rid in enumerate(req_ids):
+            prev = self._prev.get(rid)
+            if prev is None:
+                continue
+            conf, kept, sampled = prev
+            accepted = kept if rej is None else max(0, min(kept, kept - int(rej[i])))
+            self.calibrator.observe(conf, kept, accepted, sampled)
+            self.stats.add_acceptance(kept, accepted)
+            if self.settings.trace_path:
+                records.append({"step": self._step, "req_id": rid, "verified": kept, "accepted": accepted,
+                                "confidence": conf[:kept], "sampled": sampled})
+        if records:
+            self._write_trace(records)
+
+    def _sequential_stage(self, rows, anchors, sampling_metadata, batch, cad):
+        """(tokens [R, N], conf [R, N], draft probs [R, N, V] or None, sampled [R] bool)."""
+        from vllm_dspark.ops import markov_draft
 
         model = self.model
-        n_rows = hidden_states.shape[0]
-        d = self.num_speculative_tokens
-        batch = n_rows // d
-        base = model.compute_logits(hidden_states)[:, : model.vocab_size].view(batch, d, -1)
-        conf_base, conf_w = model.confidence_parts(hidden_states)
-        if conf_base is not None:
-            conf_base = conf_base.view(batch, d)
-        anchors = self._anchor_ids[:batch].to(torch.int64)
-        temperature, seeds, sampled = self._draft_sampling(sampling_metadata, batch, base.device)
-        w2, w2_norms = model.markov_w2, model.markov_w2_row_norms()
-        if not self.settings.use_markov:  # the ablation: no bias, rows argmaxed independently
-            w2, w2_norms = model.markov_w2_zeros(), torch.zeros_like(w2_norms)
-        out = markov_draft(
-            base, anchors, model.markov_w1, w2, w2_norms,
-            conf_base, conf_w, temperature, seeds, self.settings.threshold, return_logits=sampled)
-        self._last_lengths, self._last_conf = out.lengths, out.conf
-        self._last_path = last_path()
-        if not sampled:
-            return out.tokens.reshape(-1), None
-        # The op drew token i as argmax(logits_i / T + Gumbel), i.e. from softmax(logits_i / T) with
-        # logits_i the Markov-corrected logits given the drafted prefix: exactly the q the target's
-        # rejection sampler must see. Greedy requests' rows are never read by it.
-        t = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
-        probs = torch.softmax(out.logits / t[:, None, None], dim=-1)
-        return out.tokens.reshape(-1), probs.reshape(batch * d, -1)
+        mw = model.markov if self.settings.use_markov else model.markov.without_bias()
+        n = self.n_draft
+        base = model.compute_logits(rows)[:, : mw.vocab].reshape(batch, n, mw.vocab)
+        conf_base = mw.confidence_base(rows)
+        conf_base = None if conf_base is None else conf_base.view(batch, n)
+        sampled = self._sampled_requests(sampling_metadata, batch)
+        tokens = torch.empty(batch, n, dtype=torch.int64, device=base.device)
+        conf = torch.ones(batch, n, dtype=torch.float32, device=base.device)
+        probs = None
+        greedy = ~sampled
+        if bool(greedy.any()):
+            idx = greedy.nonzero().flatten()
+            out = markov_draft(base[idx], anchors[idx].to(torch.int64), mw.markov_w1, mw.markov_w2,
+                               mw.w2_row_norms, None if conf_base is None else conf_base[idx],
+                               mw.conf_w_markov, threshold=0.0, max_norms=mw.max_norms)
+            tokens[idx], conf[idx] = out.tokens, out.conf
+            self.last_markov_path = out.path
+        if bool(sampled.any()):
+            from vllm_dspark.spec_decode.draft_sampling import sample_drafts
 
-    def _draft_sampling(self, sampling_metadata, batch: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """(temperature [R], Gumbel seeds [R], sampled?) for this step's drafts.
+            idx = sampled.nonzero().flatten()
+            temps = sampling_metadata.temperature[:batch][idx].float()
+            top_k = sampling_metadata.top_k[:batch][idx] if sampling_metadata.top_k is not None else None
+            top_p = sampling_metadata.top_p[:batch][idx] if sampling_metadata.top_p is not None else None
+            seeds = self._draft_seeds(idx.tolist(), cad)
+            t_s, c_s, q_s = sample_drafts(base[idx], anchors[idx], mw, temps, seeds,
+                                          None if conf_base is None else conf_base[idx], top_k=top_k, top_p=top_p)
+            tokens[idx], conf[idx] = t_s, c_s
+            probs = torch.zeros(batch, n, mw.vocab, dtype=torch.float32, device=base.device)
+            probs[idx] = q_s
+        return tokens, conf, probs, sampled.cpu().numpy()
 
-        Greedy unless ``draft_sample_method`` is 'probabilistic' and some request samples.
-        Seeds come from each seeded request's own generator (reproducible) and from
-        torch's global generator otherwise, so every step draws fresh noise.
-        """
-        zeros = torch.zeros(batch, dtype=torch.float32, device=device)
-        seeds = torch.zeros(batch, dtype=torch.int64, device=device)
+    def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
         temps = getattr(sampling_metadata, "temperature", None)
-        if (not self._enable_probabilistic_draft_probs or sampling_metadata.all_greedy or temps is None):
-            return zeros, seeds, False
-        temperature = temps[:batch].to(device=device, dtype=torch.float32).clamp(min=0.0)
-        draws = torch.randint(0, 2 ** 62, (batch,), dtype=torch.int64)
-        for i, gen in sampling_metadata.generators.items():
-            if i < batch:
-                draws[i] = torch.randint(0, 2 ** 62, (1,), dtype=torch.int64, generator=gen,
-                                         device=gen.device).cpu()[0]
-        return temperature, draws.to(device), True
+        if (self.settings.draft_sampling == "greedy" or sampling_metadata.all_greedy or temps is None
+                or not self._enable_probabilistic_draft_probs):
+            return torch.zeros(batch, dtype=torch.bool)
+        return (temps[:batch] > 0).cpu()
 
-    # ------------------------------------------------------------------ cut + account
-    def propose(self, num_speculative_tokens, *args, **kwargs):
-        requested = int(num_speculative_tokens)
-        self._last_lengths = None
-        # Always draft the trained block; cut afterwards.
-        drafts = super().propose(self.dspark_config.num_draft_tokens, *args, **kwargs)
-        if self._last_lengths is None or drafts.numel() == 0:
-            return drafts[:, :requested] if torch.is_tensor(drafts) else drafts
-        cap = min(requested, self.settings.num_draft_tokens)
-        if not self.settings.cuts_drafts and not self.settings.trace_path:
-            # Nothing to cut and nothing to record: no device-to-host copy on this path.
-            return drafts[:, :cap] if cap < drafts.shape[1] else drafts
-        keep = self._last_lengths.clamp(max=cap).tolist()
-        self.stats.add(cap, keep)  # a draft counts as cut when the gate kept fewer than `cap`
-        if self.settings.trace_path:
-            self._trace(drafts, keep)
-        self._maybe_log()
-        if cap == drafts.shape[1] and self.settings.threshold == 0.0:
-            return drafts
-        rows = drafts.tolist()
-        return [row[:k] for row, k in zip(rows, keep)]
+    def _draft_seeds(self, rows: list[int], cad) -> torch.Tensor:
+        """Gumbel seeds: a seeded request's own seed mixed with its anchor position (reproducible
+        alone or in any batch, and independent of the target's sampling stream); others random."""
+        seeds = torch.randint(0, 2 ** 62, (len(rows),), dtype=torch.int64)
+        if self.runner is None:
+            return seeds
+        positions = (cad.seq_lens[: cad.batch_size()].to(torch.int64)).tolist()
+        for k, r in enumerate(rows):
+            rid = self.runner.input_batch.req_ids[r]
+            state = self.runner.requests.get(rid)
+            seed = getattr(getattr(state, "sampling_params", None), "seed", None)
+            if seed is not None:
+                seeds[k] = (int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32)
+        return seeds
 
-    def _trace(self, drafts: torch.Tensor, keep: list[int]) -> None:
-        n = drafts.shape[0]
-        anchors = self._anchor_ids[:n].tolist()
-        positions = self._anchor_pos[:n].tolist()
-        req_ids = list(self.runner.input_batch.req_ids[:n]) if self.runner is not None else [None] * n
-        conf = self._last_conf.tolist() if self._last_conf is not None else None
-        with open(self.settings.trace_path, "a") as f:
-            for i, row in enumerate(drafts.tolist()):
-                f.write(json.dumps({"pid": os.getpid(), "req_id": req_ids[i], "pos": positions[i],
-                                    "anchor": anchors[i], "draft": row,
-                                    "confidence": conf[i] if conf else None, "kept": keep[i],
-                                    "threshold": self.settings.threshold, "path": self._last_path}) + "\n")
+    def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray, batch: int) -> list[int]:
+        s = self.settings
+        c = conf.cpu().numpy().astype(np.float64)
+        if s.verification != "budget":
+            self._draft_next = True
+            return rule_lengths(c, caps, s.verification, s.threshold)
+        if self.costs is None:
+            raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
+                               "hook did not run (is the vllm_dspark plugin registered in the worker?)")
+        surv = B.survival(self.calibrator.calibrate(c, sampled))
+        self.survival_profile.update(surv)
+        alloc = B.allocate(surv, caps, self.costs)
+        self._draft_next = alloc.draft_pays
+        self._skipped_in_row = 0
+        return alloc.kept
+
+    def _after_skip(self, batch: int, cap: int) -> None:
+        """Decide whether the next step drafts, from the typical survival profile at this batch size."""
+        if self.settings.verification != "budget" or self.costs is None:
+            self._draft_next = True
+            return
+        self._skipped_in_row += 1
+        # Re-probe now and then so the survival profile and calibration keep up with the workload.
+        probe = self._skipped_in_row % 32 == 0
+        self._draft_next = probe or B.forecast_pays(self.survival_profile.value, batch, cap, self.costs)
+
+    # ------------------------------------------------------------------ observability
+    def _trace(self, req_ids, anchors, tokens, conf, kept, sampled) -> None:
+        pos = self.positions[: len(req_ids) * self.block].view(-1, self.block)[:, 0].tolist()
+        recs = [{"step": self._step, "pid": os.getpid(), "req_id": rid, "pos": pos[i], "anchor": anchors[i],
+                 "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
+                 "verification": self.settings.verification, "threshold": self.settings.threshold,
+                 # Sampled drafts are drawn by draft_sampling (dense, per position), greedy ones by the op.
+                 "path": "sampled" if sampled[i] else self.last_markov_path}
+                for i, rid in enumerate(req_ids)]
+        self._write_trace(recs)
+
+    def _write_trace(self, records: Sequence[dict]) -> None:
+        with open(self.settings.trace_path, "a") as f:  # type: ignore[arg-type]
+            for r in records:
+                f.write(json.dumps(r) + "\n")
 
     def _maybe_log(self) -> None:
         interval = self.settings.stats_interval_s
-        if interval <= 0 or not self.settings.cuts_drafts:
+        if interval <= 0:
             return
         now = time.monotonic()
         if now - self._last_log >= interval:
             self._last_log = now
-            logger.info(self.stats.line())
+            logger.info(self.stats.line(self.settings.verification))
+
+    def report(self) -> dict:
+        """Counters, calibration and the cost model (for tests, benchmarks and ``collective_rpc``)."""
+        return {"stats": self.stats.as_dict(), "calibration": self.calibrator.table(),
+                "timings_s": dict(self.timings),
+                "costs": None if self.costs is None else {**self.costs.to_dict(),
+                                                          "scale_verify": self.costs.scale_verify,
+                                                          "scale_draft": self.costs.scale_draft},
+                "settings": self.settings.to_dict()}
+
+
+def _replace(s: DSparkSettings, **kw) -> DSparkSettings:
+    import dataclasses
+
+    return dataclasses.replace(s, **kw)

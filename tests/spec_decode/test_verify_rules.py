@@ -1,0 +1,42 @@
+"""The per-request verification rules and their counters (no engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from vllm_dspark.spec_decode.verify import VerifyStats, product_length, rule_lengths, threshold_length
+
+EXAMPLE = [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]
+
+
+def test_reference_rule_vs_product_rule_on_the_issue_example():
+    assert threshold_length(EXAMPLE, 0.8) == 6  # DeepSpec _confident_prefix_length
+    assert product_length(EXAMPLE, 0.8) == 2  # the project's earlier rule
+
+
+@pytest.mark.parametrize("t, want", [(0.0, 7), (-1.0, 7), (0.96, 0), (0.71, 6), (0.7, 7)])
+def test_threshold_rule_edges(t, want):
+    assert threshold_length(EXAMPLE, t) == want
+
+
+def test_rule_lengths_apply_caps():
+    conf = np.array([EXAMPLE, EXAMPLE])
+    assert rule_lengths(conf, [7, 3], "threshold", 0.8) == [6, 3]
+    assert rule_lengths(conf, [7, 0], "fixed", 0.0) == [7, 0]
+    assert rule_lengths(conf, [7, 7], "product", 0.8) == [2, 2]
+    with pytest.raises(ValueError):
+        rule_lengths(conf, [7, 7], "budget", 0.0)
+
+
+def test_counters_and_log_line():
+    s = VerifyStats()
+    s.add_step(drafted=True, cap=7, kept=[7, 3, 0])
+    s.add_step(drafted=False, cap=7, kept=[0, 0])
+    s.add_acceptance(7, 5)
+    s.add_acceptance(3, 0)
+    assert s.as_dict() == {"steps": 2, "steps_drafted": 1, "steps_skipped": 1, "requests": 3,
+                           "tokens_drafted": 21, "tokens_admitted": 10, "empty_drafts": 1,
+                           "tokens_verified_observed": 10, "tokens_accepted": 5}
+    assert s.line("budget") == ("DSpark verification (budget): admitted 10/21 drafted tokens (47.6%), 1 empty "
+                                "drafts, 1/2 steps without drafting; accepted 5/10 verified draft tokens (50.0%)")

@@ -1,0 +1,99 @@
+"""How many of each request's drafts the target verifies: the fixed, threshold and product rules.
+
+The budget rule lives in :mod:`.budget`; these are the per-request rules, all
+pure functions of the confidences so the tests check them without an engine.
+
+* ``fixed``: ``cap`` drafts (``num_speculative_tokens``).
+* ``threshold`` (the DSpark reference, DeepSpec ``_confident_prefix_length``):
+  the drafts before the FIRST position whose own confidence is below ``t``.
+* ``product`` (this project's earlier rule, kept for comparison): the longest
+  prefix whose running product of confidences stays ``>= t``.
+
+Example, confidences [.95, .9, .9, .85, .8, .8, .7] at t = 0.8: ``threshold``
+keeps 6, ``product`` keeps 2.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+
+def threshold_length(conf: Sequence[float], t: float) -> int:
+    if t <= 0:
+        return len(conf)
+    for i, c in enumerate(conf):
+        if c < t:
+            return i
+    return len(conf)
+
+
+def product_length(conf: Sequence[float], t: float) -> int:
+    if t <= 0:
+        return len(conf)
+    run = 1.0
+    for i, c in enumerate(conf):
+        run *= float(c)
+        if run < t:
+            return i
+    return len(conf)
+
+
+def rule_lengths(conf: np.ndarray, caps: Sequence[int], rule: str, t: float) -> list[int]:
+    """Kept drafts per request for a per-request rule ([R, N] confidences, [R] caps)."""
+    out = []
+    for row, cap in zip(conf, caps):
+        if rule == "fixed":
+            k = len(row)
+        elif rule == "threshold":
+            k = threshold_length(row, t)
+        elif rule == "product":
+            k = product_length(row, t)
+        else:
+            raise ValueError(f"unknown verification rule {rule!r}")
+        out.append(max(0, min(int(cap), k)))
+    return out
+
+
+class VerifyStats:
+    """What the verification rule kept, and what the target then accepted (thread-safe counters)."""
+
+    FIELDS = ("steps", "steps_drafted", "steps_skipped", "requests", "tokens_drafted", "tokens_admitted",
+              "empty_drafts", "tokens_verified_observed", "tokens_accepted")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+
+    def add_step(self, *, drafted: bool, cap: int, kept: Sequence[int]) -> None:
+        with self._lock:
+            self.steps += 1
+            if not drafted:
+                self.steps_skipped += 1
+                return
+            self.steps_drafted += 1
+            self.requests += len(kept)
+            self.tokens_drafted += cap * len(kept)
+            self.tokens_admitted += int(sum(kept))
+            self.empty_drafts += sum(1 for k in kept if k == 0)
+
+    def add_acceptance(self, verified: int, accepted: int) -> None:
+        with self._lock:
+            self.tokens_verified_observed += verified
+            self.tokens_accepted += accepted
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {f: getattr(self, f) for f in self.FIELDS}
+
+    def line(self, mode: str) -> str:
+        d = self.as_dict()
+        adm = d["tokens_admitted"] / d["tokens_drafted"] if d["tokens_drafted"] else 0.0
+        acc = d["tokens_accepted"] / d["tokens_verified_observed"] if d["tokens_verified_observed"] else 0.0
+        return (f"DSpark verification ({mode}): admitted {d['tokens_admitted']}/{d['tokens_drafted']} drafted "
+                f"tokens ({adm:.1%}), {d['empty_drafts']} empty drafts, {d['steps_skipped']}/{d['steps']} steps "
+                f"without drafting; accepted {d['tokens_accepted']}/{d['tokens_verified_observed']} verified "
+                f"draft tokens ({acc:.1%})")
