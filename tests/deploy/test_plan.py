@@ -10,8 +10,8 @@ import torch
 from vllm_dspark.cli import main as cli_main
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.deploy import plan
-from vllm_dspark.deploy.compat import load_target_config
 from vllm_dspark.model.reference import count_parameters
+from vllm_dspark.serving.compat import load_target_config
 
 GiB = 1024 ** 3
 DRAFT_K3, TARGET_K3 = plan.bundled_k3_paths()
@@ -140,8 +140,7 @@ def test_tiny_target_and_drafter_per_token_match_vllm_spec(tiny_qwen3, tmp_path,
 
 
 def test_k3_per_token_figures_match_vllm_mla_and_kda_specs():
-    from vllm.model_executor.layers.mamba.mamba_utils import (MambaStateDtypeCalculator,
-                                                              MambaStateShapeCalculator)
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
     from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec
 
     target = load_target_config(TARGET_K3)
@@ -175,4 +174,5 @@ def test_dense_target_plan_for_the_qwen3_shape(capsys, tmp_path):
     assert rc == 0, p["problems"]
     assert p["target"]["gqa_layers"] == 36 and p["target"]["mla_layers"] == 0
     assert p["target"]["gqa_bytes_per_token"] == 36 * 8 * 128 * 2 * 2
-    assert p["inputs"]["context"] == 40960 and p["drafter"]["window"] == 40960
+    # Served within the drafter's trained context: no window is needed, so none is set.
+    assert p["inputs"]["context"] == 40960 and p["drafter"]["window"] is None

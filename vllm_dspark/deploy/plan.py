@@ -36,8 +36,13 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark.config import DTYPE_BYTES, DSparkConfig, DSparkConfigError
-from vllm_dspark.deploy.compat import (TargetConfigError, check_target_compat, is_kimi_k3,
-                                       load_target_config, text_config)
+from vllm_dspark.serving.compat import (
+    TargetConfigError,
+    check_target_compat,
+    is_kimi_k3,
+    load_target_config,
+    text_config,
+)
 
 GiB = 1024 ** 3
 MiB = 1024 ** 2
@@ -80,8 +85,33 @@ class PlanInputs:
     tp: int
     pp: int
     kv_dtype: str
-    window: int
+    window: int | None  # None: the drafter attends to the whole context
     num_speculative_tokens: int
+    block_size: int = 16  # KV-cache block size (vLLM's GPU default)
+    max_num_batched_tokens: int = 8192  # scheduler token budget (vLLM's default for serving)
+
+
+def draft_kv_blocks_per_sequence(*, block_size: int, window: int | None, decode_tokens: int, context: int,
+                                 num_kv_heads: int = 1, head_size: int = 64) -> int:
+    """Blocks ONE draft layer holds for one sequence, from vLLM's own KV-cache spec classes.
+
+    With a window, vLLM's ``SlidingWindowSpec.max_admission_blocks_per_request``:
+    the window plus the tokens in flight in a step (``decode_tokens``: 1 + the
+    drafts verified; pass the scheduler's token budget for the prefill peak), plus
+    one block for a window that does not start on a block boundary. Without one,
+    ``FullAttentionSpec``: the whole context. This is the figure the engine's
+    KV-cache manager admits against and holds.
+    """
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if window is None:
+        spec = FullAttentionSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                                 dtype=torch.bfloat16)
+        return -(-context // spec.block_size)
+    spec = SlidingWindowSpec(block_size=block_size, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=torch.bfloat16, sliding_window=window)
+    return spec.max_admission_blocks_per_request(max_in_flight_tokens=decode_tokens, max_model_len=context)
 
 
 def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
@@ -152,7 +182,7 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
     """The plan as a JSON-ready dict (all sizes in bytes)."""
     if inp.kv_dtype not in KV_DTYPE_BYTES:
         raise ValueError(f"--kv-dtype: got {inp.kv_dtype!r}, expected one of {sorted(KV_DTYPE_BYTES)}")
-    for name in ("context", "batch", "tp", "pp", "window"):
+    for name in ("context", "batch", "tp", "pp", "block_size", "max_num_batched_tokens"):
         if getattr(inp, name) <= 0:
             raise ValueError(f"--{name}: got {getattr(inp, name)}, expected a positive integer")
     if inp.num_speculative_tokens < 0:
@@ -172,7 +202,14 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
     d_tok = draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim * 2 * kv_bytes
     d_tok_gpu = (draft.num_hidden_layers * _kv_heads_per_rank(draft.num_key_value_heads, inp.tp)
                  * draft.head_dim * 2 * kv_bytes)
-    win_tokens = min(inp.context, inp.window)
+    if inp.window is not None and inp.window <= 0:
+        raise ValueError(f"--window: got {inp.window}, expected a positive token count (or 'off')")
+    win_tokens = min(inp.context, inp.window) if inp.window else inp.context
+    decode_tokens = inp.num_speculative_tokens + 1
+    blocks_decode = draft_kv_blocks_per_sequence(block_size=inp.block_size, window=inp.window,
+                                                 decode_tokens=decode_tokens, context=inp.context)
+    blocks_peak = draft_kv_blocks_per_sequence(block_size=inp.block_size, window=inp.window,
+                                               decode_tokens=inp.max_num_batched_tokens, context=inp.context)
     drafter = {
         "parameters": w["parameters"],
         "weights_bytes": w["bytes"],
@@ -184,6 +221,12 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
         "kv_bytes_per_gpu": d_tok_gpu * inp.context * inp.batch,
         "kv_bytes_per_gpu_windowed": d_tok_gpu * win_tokens * inp.batch,
         "window": inp.window,
+        # What vLLM's KV-cache manager holds per sequence (its spec classes, block-rounded): in decode
+        # steps, and at the prefill peak the admission check reserves for.
+        "engine_blocks_per_sequence_decode": blocks_decode,
+        "engine_blocks_per_sequence_peak": blocks_peak,
+        "engine_kv_bytes_per_sequence_decode": blocks_decode * inp.block_size * d_tok,
+        "engine_kv_bytes_per_sequence_peak": blocks_peak * inp.block_size * d_tok,
         "trained_context": draft.max_position_embeddings,
         "layers": draft.num_hidden_layers, "kv_heads": draft.num_key_value_heads,
         "head_dim": draft.head_dim,
@@ -240,6 +283,7 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
     return {
         "inputs": {"context": inp.context, "batch": inp.batch, "tp": inp.tp, "pp": inp.pp,
                    "kv_dtype": inp.kv_dtype, "kv_bytes_per_element": kv_bytes, "window": inp.window,
+                   "block_size": inp.block_size, "max_num_batched_tokens": inp.max_num_batched_tokens,
                    "num_speculative_tokens": inp.num_speculative_tokens, "gpus": inp.tp * inp.pp},
         "drafter": drafter,
         "target": tgt,
@@ -256,15 +300,15 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
 
 
 def _explain(draft: DSparkConfig, t: dict[str, Any], inp: PlanInputs, win: int) -> list[str]:
+    window = (f"With the {inp.window:,}-token window (vllm_dspark's default: the drafter's trained context, "
+              f"{draft.max_position_embeddings:,}, whenever the target serves longer) it holds {win:,} tokens; "
+              "vLLM's KV-cache manager frees the blocks behind the window (sliding-window cache group)."
+              if inp.window else "The window is off: the drafter's cache grows with the context.")
     lines = [
         f"drafter KV: {draft.num_hidden_layers} layers x {draft.num_key_value_heads} KV heads x "
-        f"{draft.head_dim} x (K and V) x {KV_DTYPE_BYTES[inp.kv_dtype]} bytes per context token; the "
-        f"drafter attends to every context token, so without a window it grows with the context. With a "
-        f"{inp.window}-token window (its trained context is {draft.max_position_embeddings}) it holds "
-        f"{win} tokens. KV heads split over TP ({_kv_heads_per_rank(draft.num_key_value_heads, inp.tp)} "
-        "per GPU). It lives on the last pipeline stage, where vLLM runs the proposer. A drafter config "
-        "without a window (no dflash_config.use_swa / swa_window_size, as the K3 drafter ships) is served "
-        "with the full context: use the figures without a window for it.",
+        f"{draft.head_dim} x (K and V) x {KV_DTYPE_BYTES[inp.kv_dtype]} bytes per context token. {window} "
+        f"KV heads split over TP ({_kv_heads_per_rank(draft.num_key_value_heads, inp.tp)} per GPU). It lives "
+        "on the last pipeline stage, where vLLM runs the proposer.",
     ]
     if t["mla_layers"]:
         lines.append(
@@ -303,8 +347,15 @@ def print_plan(p: dict[str, Any]) -> None:
     print(f"  weights        {d['parameters']:,} parameters, {_fmt(d['weights_bytes'])} "
           f"({_fmt(d['weights_bytes_per_gpu'])} per GPU on the last stage)")
     print(f"  KV per token   {d['kv_bytes_per_token']:,} B ({d['kv_bytes_per_token_per_gpu']:,} B per GPU)")
-    print(f"  KV per seq     {_fmt(d['kv_bytes_per_sequence'])} without a window, "
-          f"{_fmt(d['kv_bytes_per_sequence_windowed'])} with the {d['window']:,}-token window")
+    if d["window"]:
+        print(f"  KV per seq     {_fmt(d['kv_bytes_per_sequence'])} without a window, "
+              f"{_fmt(d['kv_bytes_per_sequence_windowed'])} with the {d['window']:,}-token window")
+    else:
+        print(f"  KV per seq     {_fmt(d['kv_bytes_per_sequence'])} (window off)")
+    print(f"  vLLM holds     {d['engine_blocks_per_sequence_decode']:,} blocks of {i['block_size']} per layer and "
+          f"sequence in decode steps ({_fmt(d['engine_kv_bytes_per_sequence_decode'])}), "
+          f"{d['engine_blocks_per_sequence_peak']:,} at the prefill peak "
+          f"({_fmt(d['engine_kv_bytes_per_sequence_peak'])}; {i['max_num_batched_tokens']:,}-token budget)")
     print("target")
     if t["mla_layers"]:
         print(f"  MLA cache      {t['mla_layers']} layers x {t['mla_bytes_per_token_per_layer']:,} B = "
@@ -344,9 +395,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 2
     tc = text_config(target)
     context = args.context or int(tc.get("max_position_embeddings") or draft.max_position_embeddings)
-    window = args.window if args.window is not None else draft.max_position_embeddings
+    from vllm_dspark.serving.settings import DSparkSettingsError, resolve_settings
+
+    try:  # the window the engine would use, resolved by the same code
+        window = resolve_settings(draft, draft="plan", dflash_config=None,
+                                  spec_options={"window": args.window} if args.window is not None else None,
+                                  num_speculative_tokens=None, served_context=context, environ={}).window
+    except DSparkSettingsError as exc:
+        print(f"vllm-dspark plan: {exc}", file=sys.stderr)
+        return 2
     inp = PlanInputs(context=context, batch=args.batch, tp=args.tp, pp=args.pp, kv_dtype=args.kv_dtype,
-                     window=window,
+                     window=window, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                      num_speculative_tokens=(args.num_speculative_tokens
                                              if args.num_speculative_tokens is not None
                                              else draft.num_draft_tokens))
@@ -377,9 +436,12 @@ def add_plan_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
     p.add_argument("--kv-dtype", default="auto", choices=sorted(KV_DTYPE_BYTES),
                    help="KV cache dtype, as vLLM's --kv-cache-dtype (default auto = bf16)")
-    p.add_argument("--window", type=int, default=None,
-                   help="window on the drafter's attention (default: its trained context, "
-                        "max_position_embeddings)")
+    p.add_argument("--window", default=None,
+                   help="window on the drafter's attention in tokens, or 'off' (default: as served: the "
+                        "drafter's trained context when the target serves longer)")
+    p.add_argument("--block-size", type=int, default=16, help="KV-cache block size (default 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="the scheduler's token budget, for the prefill peak (default 8192)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="draft tokens per step (sizes the KDA convolution state; default: the drafter's)")
     p.add_argument("--draft", default=None,

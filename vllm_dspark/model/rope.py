@@ -14,6 +14,49 @@ import math
 import torch
 
 
+def inv_freq_fp64(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
+    """:func:`rope_inv_freq_and_scale` evaluated in fp64 (the long-context path's frequencies).
+
+    An fp32 frequency carries a relative error of up to 6e-8; at position 1,048,575
+    that alone moves the highest-frequency angle by ~0.06 rad. Computing the
+    frequencies and the angles in fp64 keeps every angle exact to fp32 rounding.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
+    inv_freq = 1.0 / (float(theta) ** exponents)
+    rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
+    if rtype in (None, "default"):
+        return inv_freq, 1.0
+    factor = float(scaling["factor"])
+    if rtype == "linear":
+        return inv_freq / factor, 1.0
+    if rtype != "yarn":
+        raise ValueError(f"rope_type {rtype!r} is not supported")
+    orig = int(scaling.get("original_max_position_embeddings", 4096))
+    low = math.floor(_yarn_correction_dim(float(scaling.get("beta_fast", 32)), head_dim, theta, orig))
+    high = math.ceil(_yarn_correction_dim(float(scaling.get("beta_slow", 1)), head_dim, theta, orig))
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    keep = 1.0 - ramp
+    inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
+    mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
+    return inv_freq, mscale
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq64: torch.Tensor, mscale: float,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[N, rot_dim]`` = cat(cos, sin) * mscale at ``positions``, angles in fp64.
+
+    The layout of vLLM's ``cos_sin_cache`` rows, computed for just the positions
+    asked for: exact to ``dtype`` rounding at any position (no table, no
+    position limit). ``positions`` up to 2^53 are exact in fp64.
+    """
+    ang = positions.to(torch.float64).reshape(-1, 1) * inv_freq64.to(positions.device)[None, :]
+    ang = torch.remainder(ang, 2 * math.pi)
+    return (torch.cat([ang.cos(), ang.sin()], dim=-1) * mscale).to(dtype)
+
+
 def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: int) -> float:
     return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
@@ -46,10 +89,14 @@ def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, mscale: float) -> torch.Tensor:
-    """Rotate ``x`` [..., T, heads, head_dim] at ``positions`` [..., T] (NeoX halves)."""
-    angles = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(x.device)  # [..., T, hd/2]
-    cos = (angles.cos() * mscale).unsqueeze(-2)  # [..., T, 1, hd/2]
-    sin = (angles.sin() * mscale).unsqueeze(-2)
+    """Rotate ``x`` [..., T, heads, head_dim] at ``positions`` [..., T] (NeoX halves).
+
+    Angles are taken in fp64 so positions far past the trained context stay exact
+    (``inv_freq`` may be the fp32 or the fp64 frequencies).
+    """
+    angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq.to(x.device, torch.float64)  # [..., T, hd/2]
+    cos = (angles.cos() * mscale).float().unsqueeze(-2)  # [..., T, 1, hd/2]
+    sin = (angles.sin() * mscale).float().unsqueeze(-2)
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

@@ -1,16 +1,26 @@
 """The DSpark draft model for vLLM's V1 runner (registered as ``DFlashDSparkDraftModel``).
 
-On V1, a DSpark draft takes the DFlash path, where vLLM names the draft
+On V1 a DSpark draft takes the DFlash path, where vLLM names the draft
 architecture ``"DFlash" + <architecture>``; the plugin registers this class
 under that name. It is upstream's Qwen3 DSpark draft (DFlash Qwen3 backbone
 with Markov and confidence heads) plus what the V1 proposer needs:
 
-* the DSpark keys SpecForge keeps in ``dflash_config`` are exposed where the
-  upstream modules read them;
-* older exports' ``logit_head.`` tensor names load;
-* the confidence projection is split into its parallel part (hidden state and
-  bias) and its Markov part, which the Markov draft op applies per drafted token;
-* Markov weights trimmed to the real vocabulary (vLLM pads LM-head-like weights).
+* :attr:`markov` — the sequential stage's weights as one
+  :class:`~vllm_dspark.model.markov_weights.MarkovWeights` (trimmed to the real
+  vocabulary, confidence head split into its parallel and Markov parts);
+* drafters without a Markov head (the DFlash-style ablation) load: the head
+  upstream always builds is left unused and the op adds no bias;
+* exact rotary angles at every position. vLLM builds the draft's cos/sin table
+  with ``max_position_embeddings`` rows (the trained context) and indexes it
+  with positions up to the target's ``max_model_len`` without a bounds check;
+  here the cos/sin rows of just the positions in the batch are computed in fp64
+  (``rope_cos_sin``), so the drafter reads nothing out of range and stays exact
+  to fp32 rounding at position 1,048,575;
+* vLLM 0.32's CPU ``rms_norm`` ignores the per-layer weight rows of the
+  context keys' grouped norm; when a probe sees that, keys are normalised per
+  layer in PyTorch (otherwise every layer after the first reads wrongly
+  normalised keys: no error, lower acceptance);
+* older exports' ``logit_head.`` tensor names load.
 """
 
 from __future__ import annotations
@@ -24,20 +34,39 @@ import torch
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_dspark.checkpoint.io import canonical_name
+from vllm_dspark.model.markov_weights import MarkovWeights
+from vllm_dspark.model.rope import inv_freq_fp64, rope_cos_sin
 
 logger = logging.getLogger("vllm_dspark")
+
+_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "mask_token_id")
+
+
+def expose_dspark_keys(hf_config, *, allow_no_markov: bool) -> None:
+    """Copy the DSpark keys SpecForge nests in ``dflash_config`` to where upstream's modules read them.
+
+    A drafter without a Markov head (rank 0, the DFlash-style ablation): on the
+    V1 path (``allow_no_markov``) it is built with a rank-1 head that is never
+    read (upstream always builds one) and :class:`MarkovWeights` carries zero
+    weights; on vLLM 0.33's V2 path upstream's speculator would apply that head,
+    so it is refused there.
+    """
+    dc = getattr(hf_config, "dflash_config", None) or {}
+    for key in _DSPARK_KEYS:
+        if key in dc and getattr(hf_config, key, None) is None:
+            setattr(hf_config, key, dc[key])
+    if not getattr(hf_config, "markov_rank", None):
+        if not allow_no_markov:
+            raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); on vLLM 0.33 "
+                             "serve it with method 'dflash'")
+        hf_config.markov_rank = 1
+        hf_config.dspark_no_markov_head = True
 
 
 @functools.lru_cache(maxsize=1)
 def _grouped_rms_norm_broken() -> str | None:
-    """Why vLLM's grouped RMSNorm (one weight row per draft layer) can't be used here, or None.
-
-    The DFlash context-KV precompute normalises the keys of all draft layers in
-    one ``ops.rms_norm`` call with a [layers, head_dim] weight. vLLM 0.32's CPU
-    kernel applies the first row to every layer, so every draft layer after the
-    first would read keys normalised with layer 0's weight: no error, lower
-    acceptance. A two-layer probe decides.
-    """
+    """Why vLLM's grouped RMSNorm (one weight row per draft layer) can't be used here, or None."""
     from vllm import _custom_ops as ops
 
     x = torch.linspace(-1.0, 1.0, 2 * 64).view(2, 1, 1, 64)
@@ -59,69 +88,98 @@ def _normalize_context_k_per_layer(self, all_k: torch.Tensor) -> torch.Tensor:
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self._rms_norm_eps)
     return (xf * self._k_norm_weights.float()[:, None, None, :]).to(all_k.dtype)
 
-_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                "mask_token_id")
 
+class ExactRotary(torch.nn.Module):
+    """Drop-in for a draft layer's ``rotary_emb``: cos/sin of the batch's positions, in fp64.
 
-def expose_dspark_keys(hf_config) -> None:
-    """Copy the DSpark keys from ``dflash_config`` to the attributes upstream modules read.
-
-    Refuses a draft without a Markov head: it is a plain DFlash draft.
+    Calls vLLM's own rotary kernel with a per-call table of just the rows it
+    needs (``positions`` become indices into it), so the rotation itself is
+    upstream's.
     """
-    dc = getattr(hf_config, "dflash_config", None) or {}
-    for key in _DSPARK_KEYS:
-        if key in dc and getattr(hf_config, key, None) is None:
-            setattr(hf_config, key, dc[key])
-    if not getattr(hf_config, "markov_rank", None):
-        raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); serve it "
-                         "with method 'dflash' instead")
+
+    def __init__(self, original: torch.nn.Module, inv_freq64: torch.Tensor, mscale: float):
+        super().__init__()
+        self.head_size = original.head_size
+        self.rotary_dim = getattr(original, "rotary_dim", original.head_size)
+        self.is_neox_style = original.is_neox_style
+        # Upstream's fused context-KV setup reads it once; every call replaces it with exact rows.
+        self.cos_sin_cache = original.cos_sin_cache
+        self.register_buffer("inv_freq64", inv_freq64, persistent=False)
+        self.mscale = mscale
+
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-call cos/sin table [N, rot_dim], indices [N]) for ``positions`` [N]."""
+        flat = positions.reshape(-1)
+        cache = rope_cos_sin(flat, self.inv_freq64, self.mscale, dtype)
+        idx = torch.arange(flat.numel(), device=flat.device, dtype=positions.dtype)
+        return cache, idx
+
+    def forward(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None):
+        from vllm import _custom_ops as ops
+
+        cache, idx = self.table(positions, query.dtype)
+        ops.rotary_embedding(idx, query, key, self.head_size, cache, self.is_neox_style)
+        return query, key
 
 
 class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
     def __init__(self, *, vllm_config, prefix: str = ""):
         hf_config = vllm_config.speculative_config.draft_model_config.hf_config
-        expose_dspark_keys(hf_config)
+        expose_dspark_keys(hf_config, allow_no_markov=True)
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
-        self._w2_norms: torch.Tensor | None = None
+        self.markov: MarkovWeights | None = None
+        self._install_exact_rotary(hf_config)
         reason = _grouped_rms_norm_broken()
         if reason is not None:
             logger.warning("vllm_dspark: %s; normalising the context keys of each draft layer in PyTorch", reason)
             self.model._normalize_context_k = types.MethodType(_normalize_context_k_per_layer, self.model)
 
+    def _install_exact_rotary(self, hf_config) -> None:
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        attn0 = self.model.layers[0].self_attn
+        inv_freq64, mscale = inv_freq_fp64(attn0.rotary_emb.rotary_dim if hasattr(attn0.rotary_emb, "rotary_dim")
+                                           else attn0.head_dim, theta, scaling)
+        self.exact_rotary = ExactRotary(attn0.rotary_emb, inv_freq64, mscale)
+        for layer in self.model.layers:
+            layer.self_attn.rotary_emb = self.exact_rotary
+
+    def precompute_and_store_context_kv(self, context_states, context_positions, context_slot_mapping=None):
+        """Upstream's context-KV precompute with the batch's own exact cos/sin rows.
+
+        Upstream reads ``cos_sin_cache[positions]`` from a table of the trained
+        context's length; here the table is built for the positions at hand and
+        the positions become indices into it.
+        """
+        m = self.model
+        if not hasattr(m, "_num_attn_layers"):
+            m._build_fused_kv_buffers()
+        cache, idx = self.exact_rotary.table(context_positions, context_states.dtype)
+        m._rope_cos_sin_cache = cache
+        m.precompute_and_store_context_kv(context_states, idx, context_slot_mapping)
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        loaded = super().load_weights((canonical_name(name), w) for name, w in weights)
-        # Keep the raw tensors the Markov op reads: after loading, vLLM's CPU
-        # backend may repack linear weights and leave the modules' .weight empty.
-        head = self.model.markov_head
-        self.markov_w1 = head.markov_w1.weight.data[: self.vocab_size]  # [V, r]
-        self.markov_w2 = head.markov_w2.weight.data[: self.vocab_size]  # [V, r]
-        conf = self.model.confidence_head
-        if conf is not None:
-            self._conf_w = conf.proj.weight.data.float()[0].clone()  # [H (+ r)]
-            self._conf_b = float(conf.proj.bias.data.float()[0]) if conf.proj.bias is not None else 0.0
-        self._w2_norms = None
+        names_seen: set[str] = set()
+
+        def canon():
+            for name, w in weights:
+                c = canonical_name(name)
+                names_seen.add(c)
+                yield c, w
+
+        loaded = super().load_weights(canon())
+        no_markov = bool(getattr(self.config, "dspark_no_markov_head", False))
+        head, conf = self.model.markov_head, self.model.confidence_head
+        # Raw tensors: vLLM's CPU backend may repack linear weights and leave .weight empty.
+        self.markov = MarkovWeights.build(
+            vocab=self.vocab_size,
+            markov_w1=None if no_markov else head.markov_w1.weight.data,
+            markov_w2=None if no_markov else head.markov_w2.weight.data,
+            conf_weight=conf.proj.weight.data if conf is not None else None,
+            conf_bias=conf.proj.bias.data if conf is not None and conf.proj.bias is not None else None,
+            hidden_size=self.config.hidden_size,
+            conf_with_markov=bool(conf is not None and conf.with_markov),
+            device=self.lm_head.weight.device if hasattr(self.lm_head, "weight") else None)
         return loaded
-
-    def markov_w2_row_norms(self) -> torch.Tensor:
-        """||w2_j|| per token (fp32), computed once after the weights are loaded."""
-        if self._w2_norms is None or self._w2_norms.device != self.markov_w2.device:
-            from vllm_dspark.ops import markov_row_norms
-
-            self._w2_norms = markov_row_norms(self.markov_w2)
-        return self._w2_norms
-
-    def markov_w2_zeros(self) -> torch.Tensor:
-        if getattr(self, "_w2_zeros", None) is None:
-            self._w2_zeros = torch.zeros_like(self.markov_w2)
-        return self._w2_zeros
-
-    def confidence_parts(self, hidden: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(hidden part + bias [..] fp32, Markov weight [r] fp32), or (None, None) without a head."""
-        head = self.model.confidence_head
-        if head is None:
-            return None, None
-        w = self._conf_w.to(hidden.device)
-        h = hidden.shape[-1]
-        base = hidden.float() @ w[:h] + self._conf_b
-        return base, (w[h:].contiguous() if head.with_markov else None)
