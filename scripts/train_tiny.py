@@ -12,7 +12,7 @@ Stages, in order (each reads the previous stages' outputs from --work-dir):
   drafter's distillation data: exactly the text it will draft at greedy);
 - ``drafter``: train the DSpark drafter against the target;
 - ``export``: write the drafter in the SpecForge layout and copy both models
-  and the loss curves into ``vllm_dspark/assets/default``.
+  and the loss curves into ``tests/fixtures/toy_pair``.
 
 Everything is seeded; wall time per stage is printed and recorded in
 ``<work-dir>/timings.json``.
@@ -74,8 +74,7 @@ def _streams(work: Path, tok, eos: int):
 
 
 def stage_target(args, work: Path) -> None:
-    from vllm_dspark.training.target import (TargetShape, TargetTrainArgs, build_target,
-                                             save_target, shape_dict)
+    from vllm_dspark.training.target import TargetShape, TargetTrainArgs, build_target, save_target, shape_dict
     from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
@@ -97,8 +96,13 @@ def stage_target(args, work: Path) -> None:
 def stage_generate(args, work: Path) -> None:
     import numpy as np
 
-    from vllm_dspark.training.capture import (DistillSet, generate_distill_set, greedy_decode_vllm,
-                                              load_target, sample_prompts)
+    from vllm_dspark.training.capture import (
+        DistillSet,
+        generate_distill_set,
+        greedy_decode_vllm,
+        load_target,
+        sample_prompts,
+    )
     from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
@@ -212,7 +216,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "tiny")
     ap.add_argument("--assets-dir", type=Path,
-                    default=ROOT / "vllm_dspark" / "assets" / "default")
+                    default=ROOT / "tests" / "fixtures" / "toy_pair")
     ap.add_argument("--stages", default=",".join(STAGES),
                     help=f"comma-separated subset of {','.join(STAGES)}")
     ap.add_argument("--seed", type=int, default=0)

@@ -11,12 +11,18 @@ import torch
 
 from vllm_dspark.checkpoint import load_reference_model, validate_checkpoint
 from vllm_dspark.training.capture import greedy_generate, target_pass
-from vllm_dspark.training.drafter import (DrafterTrainArgs, build_blocks, build_drafter_config,
-                                          drafter_loss, init_drafter, sample_anchors)
+from vllm_dspark.training.drafter import (
+    DrafterTrainArgs,
+    build_blocks,
+    build_drafter_config,
+    drafter_loss,
+    init_drafter,
+    sample_anchors,
+)
 from vllm_dspark.training.evaluate import simulate_acceptance
 from vllm_dspark.training.export import export_drafter
 
-ASSETS = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "default"
+ASSETS = Path(__file__).resolve().parents[1] / "fixtures" / "toy_pair"
 VOCAB = 111  # odd on purpose
 MASK = 2
 

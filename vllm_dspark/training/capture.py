@@ -180,7 +180,7 @@ class DistillSet:
     @staticmethod
     @torch.no_grad()
     def build(target, ids: np.ndarray, prompt_lens: np.ndarray, target_layer_ids, directory,
-              batch_size: int = 16, log=print) -> "DistillSet":
+              batch_size: int = 16, log=print) -> DistillSet:
         """Run the target teacher-forced over ``ids`` and write the arrays."""
         from pathlib import Path
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.model.reference import DSparkDraftModel
+from vllm_dspark.model.reference import DraftLayer, DSparkDraftModel
 from vllm_dspark.training.capture import target_embed_and_head
 
 
@@ -297,7 +298,9 @@ def evaluate(model: DSparkDraftModel, batches: list[BlockBatch], embed, lm_head,
     was_training = model.training
     model.eval()
     out: dict = {}
-    hits, hits_nm, tvs = [], [], []
+    hits: list[torch.Tensor] = []
+    hits_nm: list[torch.Tensor] = []
+    tvs = []
     b = model.config.block_size
     for batch in batches:
         q_emb = embed[batch.query_ids].float()
@@ -316,3 +319,53 @@ def evaluate(model: DSparkDraftModel, batches: list[BlockBatch], embed, lm_head,
     out["tv"] = float(torch.stack(tvs).mean())
     model.train(was_training)
     return out
+
+
+def init_from_target(model: DSparkDraftModel, target_state: dict, *, num_target_layers: int,
+                     aux_scale: torch.Tensor | None = None) -> list[str]:
+    """Start the drafter from the target's own last layers (EAGLE-style warm start).
+
+    Draft layer k takes target layer ``num_target_layers - L + k`` (attention and
+    MLP projections, both norms; shapes must match), the final norm takes the
+    target's, and ``fc`` starts as the identity on the LAST aux layer's features
+    (so the context states begin as the target's own hidden states there) and
+    zero on the others. ``aux_scale``: the per-dimension scale the trainer
+    divides the aux features by (the identity block is scaled back up by it).
+    Returns the names of the tensors it set.
+    """
+    cfg = model.config
+    n_l = cfg.num_hidden_layers
+    done = []
+    with torch.no_grad():
+        for k, mod in enumerate(model.layers):
+            layer = cast(DraftLayer, mod)
+            src = f"model.layers.{num_target_layers - n_l + k}."
+            pairs = {
+                "self_attn.q_proj.weight": layer.self_attn.q_proj.weight,
+                "self_attn.k_proj.weight": layer.self_attn.k_proj.weight,
+                "self_attn.v_proj.weight": layer.self_attn.v_proj.weight,
+                "self_attn.o_proj.weight": layer.self_attn.o_proj.weight,
+                "mlp.gate_proj.weight": layer.mlp.gate_proj.weight,
+                "mlp.up_proj.weight": layer.mlp.up_proj.weight,
+                "mlp.down_proj.weight": layer.mlp.down_proj.weight,
+                "input_layernorm.weight": layer.input_layernorm.weight,
+                "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            }
+            for name, dst in pairs.items():
+                w = target_state.get(src + name)
+                if w is not None and tuple(w.shape) == tuple(dst.shape):
+                    dst.copy_(w.float())
+                    done.append(f"layers.{k}.{name}")
+        if "model.norm.weight" in target_state:
+            model.norm.weight.copy_(target_state["model.norm.weight"].float())
+            done.append("norm.weight")
+        h = cfg.hidden_size
+        th = cfg.target_hidden_size or h
+        if th == h:
+            model.fc.weight.zero_()
+            block = torch.eye(h)
+            if aux_scale is not None:
+                block = block * aux_scale[-th:].float()[None, :]
+            model.fc.weight[:, -th:] = block
+            done.append("fc.weight")
+    return done
