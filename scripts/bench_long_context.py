@@ -182,7 +182,8 @@ def main() -> int:
     fig.savefig(out / "acceptance_vs_context.png", dpi=110)
     plt.close(fig)
     (out / "report.md").write_text(
-        f"# Long context: acceptance and draft KV past the trained context\n\n```\n{json.dumps(meta, indent=1)}\n```\n\n"
+        "# Long context: acceptance and draft KV past the trained context\n\n"
+        f"```\n{json.dumps(meta, indent=1)}\n```\n\n"
         + "\n".join(lines) + "\n\n## Draft KV cache of one request\n\n" + "\n".join(kv_lines)
         + "\n\n![acceptance](acceptance_vs_context.png)\n")
     print("\n".join(lines))

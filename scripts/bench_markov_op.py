@@ -141,8 +141,9 @@ def main(argv=None):
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: no CUDA device")
     if not M.is_compiled_available(device):
-        sys.exit(f"compiled markov_draft is not available for {device}: "
-                 f"{M._why_not(torch.empty(1, 1, 1, device=device), *(torch.empty(1, 1, device=device),) * 2, torch.empty(1, device=device))}")
+        probe = (torch.empty(1, 1, 1, device=device), *(torch.empty(1, 1, device=device),) * 2,
+                 torch.empty(1, device=device))
+        sys.exit(f"compiled markov_draft is not available for {device}: {M._why_not(*probe)}")
 
     V, rank, B = args.vocab, args.rank, args.block
     header = ("| device | dtype | regime | mode | batch | dense loop ms | op ms | speed-up "
@@ -162,7 +163,7 @@ def main(argv=None):
                         continue
                     temp = (torch.zeros(R) if mode == "greedy" else torch.ones(R)).to(device)
 
-                    def op():
+                    def op(inp=inp, norms=norms, max_norms=max_norms, temp=temp):
                         return M.markov_draft(
                             inp["base_logits"], inp["anchor_ids"], inp["markov_w1"],
                             inp["markov_w2"], norms, inp["conf_base"], inp["conf_w_markov"],
@@ -171,7 +172,7 @@ def main(argv=None):
 
                     op()  # warm-up (tables, caches)
                     t_op, out = timed(op, args.reps, device)
-                    t_loop, loop_tokens = timed(lambda: dense_loop(inp, temp), args.loop_reps,
+                    t_loop, loop_tokens = timed(lambda inp=inp, temp=temp: dense_loop(inp, temp), args.loop_reps,
                                                 device)
                     ref = markov_draft_reference(
                         inp["base_logits"], inp["anchor_ids"], inp["markov_w1"],

@@ -21,6 +21,7 @@ the harness counters) and ``make_case`` are used by the tests and by
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -59,10 +60,8 @@ def _digest(paths, extra) -> str:
         h.update(str(p.name).encode())
         h.update(p.read_bytes())
     h.update(" ".join(extra).encode())
-    try:
+    with contextlib.suppress(OSError):  # no compiler: the build step reports it
         h.update(subprocess.run([CXX, "--version"], capture_output=True, text=True).stdout.encode())
-    except OSError:
-        pass
     return h.hexdigest()[:16]
 
 
@@ -281,8 +280,8 @@ def check_case(exe, name, case, temperature, threshold, *, return_logits=False, 
             problems.append("logits differ")
     dt = time.time() - t0
     stats = out["stats"].float().mean().item()
-    msg = f"{name}: {'ok' if not problems else 'MISMATCH ' + '; '.join(problems)} " \
-          f"({dt:.1f}s, exact scores/row {stats:.0f})"
+    msg = (f"{name}: {'ok' if not problems else 'MISMATCH ' + '; '.join(problems)} "
+           f"({dt:.1f}s, exact scores/row {stats:.0f})")
     return not problems, msg, out
 
 

@@ -211,7 +211,7 @@ class DSparkConfig:
         archs = d.get("architectures") or []
         if archs and not any("DSpark" in a or "DFlash" in a for a in archs):
             problems.append(f"architectures: got {archs}, expected ['DSparkDraftModel'] (a DSpark export)")
-        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        defaults: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(cls)}
 
         def pick(key: str, default: Any = dataclasses.MISSING) -> Any:
             if key in dc:

@@ -102,7 +102,7 @@ def _install_cli_excepthook() -> None:
             return previous(exc_type, exc, tb)
         print(f"vllm_dspark: {ours}", file=sys.stderr)
 
-    hook.__dspark__ = True
+    hook.__dspark__ = True  # type: ignore[attr-defined]  # marker attribute on a plain function
     sys.excepthook = hook
 
 

@@ -56,7 +56,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_models, engine_env, 
     env = {**os.environ, **engine_env}
     # One sequence at a time, so results trickle in and the kill lands mid-run.
     cmd = base_cmd(tiny_models, inp, out, "--max-num-seqs", "1")
-    log = open(tmp_path / "run1.log", "w")
+    log = open(tmp_path / "run1.log", "w")  # noqa: SIM115 (closed after the killed process)
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         deadline = time.time() + 300

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -36,7 +37,7 @@ def pair(tmp_path_factory):
 
 
 def _serve_cmd(target, draft, port, extra=()):
-    spec = '{"method": "dspark", "model": "%s", "num_speculative_tokens": 6}' % draft
+    spec = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 6})
     return [VLLM, "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.15",
             "--speculative-config", spec, *extra]
@@ -46,7 +47,7 @@ def _serve_cmd(target, draft, port, extra=()):
 def server(pair):
     target, draft, root = pair
     port = _free_port()
-    log = open(root / "serve.log", "w")
+    log = open(root / "serve.log", "w")  # noqa: SIM115 (the server outlives this function)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     proc = subprocess.Popen(_serve_cmd(target, draft, port), stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)

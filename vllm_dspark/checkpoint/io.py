@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -110,7 +111,7 @@ def _parse_entry(stored: str, meta) -> tuple[str, tuple[int, ...], int, int]:
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(x, int) and x >= 0 for x in offsets) or offsets[1] < offsets[0]):
         raise ValueError(f"data_offsets {offsets!r} is not [begin, end] with 0 <= begin <= end")
-    dtype = _ST_DTYPES.get(meta.get("dtype"), str(meta.get("dtype")))
+    dtype = _ST_DTYPES.get(cast(str, meta.get("dtype")), str(meta.get("dtype")))
     return dtype, tuple(shape_raw), offsets[0], offsets[1]
 
 
@@ -220,7 +221,7 @@ def iter_tensors(path: str | Path, names: list[str] | None = None,
 
     weights = Path(path) / WEIGHTS_NAME if Path(path).is_dir() else Path(path)
     with safe_open(str(weights), framework="pt", device=device) as f:
-        stored = {canonical_name(k): k for k in f.keys()}
+        stored = {canonical_name(k): k for k in f.keys()}  # noqa: SIM118 (safetensors handle, not a dict)
         for name in names if names is not None else list(stored):
             yield name, f.get_tensor(stored[name])
 
@@ -236,6 +237,7 @@ def load_checkpoint(path: str | Path, *, device: str = "cpu", validate: bool = T
         if not report.ok:
             raise CheckpointError(Path(path), report.problems)
         cfg = report.config
+        assert cfg is not None  # an ok report always carries its config
     else:
         cfg = DSparkConfig.from_json(path)
     state = {name: t for name, t in iter_tensors(path, device=device) if name not in OPTIONAL_SHARED}

@@ -143,7 +143,7 @@ def _target_attention(tc: dict[str, Any], kv_bytes: int, tp: int, num_spec: int,
                       model_bytes: int) -> dict[str, Any]:
     """Per-layer cache figures of the target, by layer kind."""
     layers = int(tc["num_hidden_layers"])
-    lin = tc.get("linear_attn_config")
+    lin: Any = tc.get("linear_attn_config")
     mla_dim = None
     if tc.get("kv_lora_rank") is not None:
         mla_dim = int(tc["kv_lora_rank"]) + int(tc.get("qk_rope_head_dim") or 0)

@@ -21,6 +21,7 @@ One draft step, anchor-first (FACTS.md):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -167,7 +168,8 @@ class DSparkDraftModel(nn.Module):
         rope = (self.rope_inv_freq, self.rope_mscale)
         ctx = self.context_states(aux_hidden)
         x = query_embeds
-        for layer in self.layers:
+        for mod in self.layers:
+            layer = cast(DraftLayer, mod)
             ctx_k, ctx_v = layer.self_attn.context_kv(ctx, ctx_positions, rope)
             x = x + layer.self_attn(layer.input_layernorm(x), query_positions, ctx_k, ctx_v, mask, rope)
             x = x + layer.mlp(layer.post_attention_layernorm(x))

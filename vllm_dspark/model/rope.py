@@ -26,6 +26,7 @@ def inv_freq_fp64(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
     rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
     if rtype in (None, "default"):
         return inv_freq, 1.0
+    assert scaling is not None  # rtype is None without scaling
     factor = float(scaling["factor"])
     if rtype == "linear":
         return inv_freq / factor, 1.0
@@ -33,7 +34,7 @@ def inv_freq_fp64(head_dim: int, theta: float, scaling: dict | None) -> tuple[to
         raise ValueError(f"rope_type {rtype!r} is not supported")
     orig = int(scaling.get("original_max_position_embeddings", 4096))
     low = math.floor(_yarn_correction_dim(float(scaling.get("beta_fast", 32)), head_dim, theta, orig))
-    high = math.ceil(_yarn_correction_dim(float(scaling.get("beta_slow", 1)), head_dim, theta, orig))
+    high: float = math.ceil(_yarn_correction_dim(float(scaling.get("beta_slow", 1)), head_dim, theta, orig))
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001
@@ -68,6 +69,7 @@ def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -
     rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
     if rtype in (None, "default"):
         return inv_freq, 1.0
+    assert scaling is not None  # rtype is None without scaling
     factor = float(scaling["factor"])
     if rtype == "linear":
         return inv_freq / factor, 1.0
@@ -77,7 +79,7 @@ def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -
     beta_fast = float(scaling.get("beta_fast", 32))
     beta_slow = float(scaling.get("beta_slow", 1))
     low = math.floor(_yarn_correction_dim(beta_fast, head_dim, theta, orig))
-    high = math.ceil(_yarn_correction_dim(beta_slow, head_dim, theta, orig))
+    high: float = math.ceil(_yarn_correction_dim(beta_slow, head_dim, theta, orig))
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp

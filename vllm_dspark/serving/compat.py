@@ -88,7 +88,7 @@ def load_target_config(target: str | Path | Mapping[str, Any] | Any) -> dict[str
 
 def text_config(target: Mapping[str, Any]) -> dict[str, Any]:
     """The decoder's fields: ``text_config`` for multimodal wrappers (K3), else the top level."""
-    tc = target.get("text_config")
+    tc: Any = target.get("text_config")
     if isinstance(tc, Mapping) and "hidden_size" in tc:
         return dict(tc)
     if hasattr(tc, "to_dict"):
@@ -243,8 +243,8 @@ def check_target_compat(draft: DSparkConfig, target: str | Path | Mapping[str, A
         if state is not None and _env_flag(state) is not True:
             p.append(f"{AUX_STREAM_ENV}={state!r}: Kimi K3 with a GQA drafter needs the materialised "
                      f"attention-residual stream ({AUX_STREAM_ENV}=1); with 0 vLLM hands the drafter the "
-                     "block prefix sum instead and acceptance collapses silently (and vLLM cannot parse a non-integer). Unset it (the plugin "
-                     "then sets 1) or set it to 1")
+                     "block prefix sum instead and acceptance collapses silently (and vLLM cannot parse a "
+                     "non-integer). Unset it (the plugin then sets 1) or set it to 1")
         else:
             rep.notes.append(f"Kimi K3 target with a GQA drafter: {AUX_STREAM_ENV}=1 is required in every "
                              "vLLM process; the vllm_dspark plugin sets it at start-up unless it is "

@@ -97,6 +97,8 @@ class ExactRotary(torch.nn.Module):
     upstream's.
     """
 
+    inv_freq64: torch.Tensor  # a buffer (register_buffer in __init__)
+
     def __init__(self, original: torch.nn.Module, inv_freq64: torch.Tensor, mscale: float):
         super().__init__()
         self.head_size = original.head_size

@@ -93,7 +93,7 @@ from vllm_dspark.versions import V2_SERIES, require
 
 logger = logging.getLogger("vllm_dspark")
 
-__all__ = [
+__all__ = [  # noqa: F822 (DSparkV2DraftModel is built on first access, see __getattr__)
     "DSparkV2DraftModel",
     "MarkovWeights",
     "check_k3_worker",
@@ -342,6 +342,7 @@ def _build_class():
             self._markov_reason = reason
             if reason is not None:
                 return
+            assert w1 is not None and w2 is not None  # why_not_weights checked both
             conf = self.model.confidence_head
             bias = getattr(conf.proj, "bias", None) if conf is not None else None
             self._markov = MarkovWeights.build(
@@ -355,9 +356,10 @@ def _build_class():
             if self._decision is None or self._decision[0] != id(speculator):
                 reason = self._markov_reason
                 if reason is None:
+                    assert self._markov is not None  # built whenever _markov_reason is None
                     reason = why_not_speculator(speculator, self._markov.markov_w2.device)
-                if reason is None and speculator.use_confidence_head and not self._markov.has_confidence_head:
-                    reason = "the speculator wants confidences but the draft has no confidence head"
+                    if reason is None and speculator.use_confidence_head and not self._markov.has_confidence_head:
+                        reason = "the speculator wants confidences but the draft has no confidence head"
                 if reason is not None:
                     _log_once(reason)
                 else:
@@ -366,6 +368,7 @@ def _build_class():
                 self._decision = (id(speculator), reason is None)
             if not self._decision[1]:
                 return False
+            assert self._markov is not None  # the op path is chosen only when the weights were built
             run_markov_stage(speculator, num_reqs, head_hidden, self._markov, self.compute_draft_logits)
             return True
 

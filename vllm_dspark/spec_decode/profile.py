@@ -58,7 +58,7 @@ def profile(proposer) -> B.CostModel:
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
     verify = []
     for n in B.profile_sizes(max_verify):
-        verify.append((n, _time(lambda: runner._dummy_run(n, force_attention=True))))
+        verify.append((n, _time(lambda n=n: runner._dummy_run(n, force_attention=True))))
     draft = []
     mw = proposer.model.markov
     from vllm_dspark.ops import markov_draft
@@ -66,7 +66,7 @@ def profile(proposer) -> B.CostModel:
     for r in B.profile_sizes(max_seqs):
         nq = r * proposer.block
 
-        def run():
+        def run(nq=nq, r=r):
             proposer.dummy_run(nq, use_cudagraphs=False)
             h = proposer.hidden_states[:nq]
             base = proposer.model.compute_logits(h)[:, : mw.vocab].reshape(r, proposer.n_draft, mw.vocab)

@@ -62,6 +62,16 @@ class VerifyStats:
 
     FIELDS = ("steps", "steps_drafted", "steps_skipped", "requests", "tokens_drafted", "tokens_admitted",
               "empty_drafts", "tokens_verified_observed", "tokens_accepted")
+    # Set to 0 for each name in FIELDS by __init__ (declared here for type checkers).
+    steps: int
+    steps_drafted: int
+    steps_skipped: int
+    requests: int
+    tokens_drafted: int
+    tokens_admitted: int
+    empty_drafts: int
+    tokens_verified_observed: int
+    tokens_accepted: int
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
