@@ -7,7 +7,8 @@
 # TARGET: moonshotai/Kimi-K3 or a local copy; DRAFT: the DSpark checkpoint directory.
 # Run on the Ray head node after ray_head.sh (and ray_worker.sh on the second node for
 # tp8pp2), in a shell where VLLM_HOST_IP is exported as for ray_head.sh.
-# Optional: PORT (default 8000), NUM_SPEC (default 7), MAX_MODEL_LEN (default: the model's),
+# Optional: HOST (default: VLLM_HOST_IP; the API listens there only), PORT (default 8000), NUM_SPEC
+#           (default 7), MAX_MODEL_LEN (default: the model's),
 #           EXTRA_ARGS (more `vllm serve` flags).
 set -euo pipefail
 MODE="${1:?usage: serve_k3.sh tp8|tp8pp2 TARGET DRAFT}"
@@ -22,6 +23,7 @@ case "$MODE" in
   *) echo "serve_k3.sh: mode must be tp8 or tp8pp2, got '$MODE'" >&2; exit 2 ;;
 esac
 NUM_SPEC="${NUM_SPEC:-7}"
+HOST="${HOST:-$VLLM_HOST_IP}"
 PORT="${PORT:-8000}"
 export RAY_ADDRESS="${RAY_ADDRESS:-$VLLM_HOST_IP:${RAY_PORT:-6379}}"
 
@@ -43,6 +45,7 @@ exec vllm serve "$TARGET" \
   --distributed-executor-backend ray \
   --speculative-config "$SPEC_CONFIG" \
   --trust-remote-code \
+  --host "$HOST" \
   --port "$PORT" \
   ${MAX_MODEL_LEN:+--max-model-len "$MAX_MODEL_LEN"} \
   ${EXTRA_ARGS:-}

@@ -6,6 +6,7 @@ default suite; deselect with ``-m "not ray"``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -63,53 +64,137 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def ray_head():
-    """``ray start --head --block`` on 127.0.0.1 with two units of the test-only resource.
+# Environment of the test cluster: set in this process for the whole session (so ``ray start``,
+# ``ray status``, the engines' Ray drivers and every worker get it) and restored afterwards.
+#
+# * RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: on Linux, Ray 2.60 replaces ``--node-ip-address
+#   127.0.0.1`` by the machine's outward address (``services.resolve_ip_for_localhost``), and
+#   then its GCS, raylet, object manager, agents and workers listen on every interface. With
+#   this switch off, Ray keeps 127.0.0.1 as the node address, and every listener binds to it
+#   (``tests/deploy/test_ray_listeners.py`` checks each one). Clients need it too: they
+#   resolve a 127.0.0.1 address the same way, and would then knock on the outward address.
+# * RAY_AUTH_MODE=token with a random token: Ray's token authentication, on for every process
+#   of the cluster and every client of it.
+RAY_ENV_LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
-    Runs in its own session and is killed (that session only, never ``ray stop``,
-    which would stop every Ray on the machine) when the tests end. Yields the
-    address for ``RAY_ADDRESS``.
+
+def ray_auth_env() -> dict[str, str]:
+    import secrets
+
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+
+
+def _refresh_imported_ray(enable_cluster: bool | None) -> bool | None:
+    """Make a Ray already imported in this process see the environment just set.
+
+    ``ray_constants.ENABLE_RAY_CLUSTER`` is read once at import, and Ray's C++ config caches
+    ``RAY_AUTH_MODE``; engine processes forked from this one inherit both. Returns the
+    previous ``ENABLE_RAY_CLUSTER`` (None: Ray not imported yet).
     """
-    pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
-    from vllm_dspark.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+    consts = sys.modules.get("ray._private.ray_constants")
+    previous = None
+    if consts is not None:
+        previous = consts.ENABLE_RAY_CLUSTER
+        if enable_cluster is not None:
+            consts.ENABLE_RAY_CLUSTER = enable_cluster
+    raylet = sys.modules.get("ray._raylet")
+    if raylet is not None and hasattr(raylet, "Config"):
+        raylet.Config.initialize("")
+    return previous
 
+
+def ray_bin() -> str:
+    path = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    assert path, "the `ray` command is missing; pip install 'ray[default]==2.60.0'"
+    return path
+
+
+def start_ray_head(node_ip: str, env: dict[str, str], *, resources: dict | None = None,
+                   extra: tuple[str, ...] = ()) -> dict:
+    """``ray start --head --block`` in its own session; returns {address, proc, temp_dir, log_path}.
+
+    Waits until ``ray status`` answers (and lists ``resources`` when given). Stop it with
+    :func:`stop_ray_head` (kills that session only, never ``ray stop``, which would stop
+    every Ray on the machine).
+    """
     port = _free_port()
     temp_dir = tempfile.mkdtemp(prefix="rdsp_", dir="/tmp")  # short: Ray's socket paths have a length limit
-    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    assert ray_bin, "the `ray` command is missing; pip install 'ray[default]==2.60.0'"
     log_path = Path(temp_dir) / "head.log"
-    log = open(log_path, "w")
-    cmd = [ray_bin, "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-           "--num-cpus", "2", "--resources", json.dumps({RAY_CPU_TEST_RESOURCE: 2}),
-           "--include-dashboard", "false", "--disable-usage-stats", "--temp-dir", temp_dir]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
+    log = open(log_path, "w")  # noqa: SIM115  (closed by stop_ray_head)
+    cmd = [ray_bin(), "start", "--head", "--block", "--node-ip-address", node_ip, "--port", str(port),
+           "--num-cpus", "2", "--include-dashboard", "false", "--dashboard-host", node_ip,
+           "--disable-usage-stats", "--temp-dir", temp_dir, *extra]
+    if resources:
+        cmd += ["--resources", json.dumps(resources)]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    head = {"address": f"{node_ip}:{port}", "port": port, "proc": proc, "temp_dir": temp_dir,
+            "log_path": log_path, "log": log, "node_ip": node_ip}
     try:
         deadline = time.time() + 120
         while True:
             if proc.poll() is not None:
                 raise RuntimeError(f"ray start exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-            r = subprocess.run([ray_bin, "status", "--address", address], capture_output=True, text=True)
-            if r.returncode == 0 and RAY_CPU_TEST_RESOURCE in r.stdout:
+            r = subprocess.run([ray_bin(), "status", "--address", head["address"]], capture_output=True,
+                               text=True, env=env, timeout=60)
+            if r.returncode == 0 and all(k in r.stdout for k in (resources or {})):
                 break
             if time.time() > deadline:
-                raise RuntimeError(f"Ray head at {address} not up after 120 s: {r.stdout[-2000:]}{r.stderr[-2000:]}")
+                raise RuntimeError(f"Ray head at {head['address']} not up after 120 s: "
+                                   f"{r.stdout[-2000:]}{r.stderr[-2000:]}")
             time.sleep(2)
-        yield address
-    finally:
-        for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=wait)
-                break
-            except ProcessLookupError:
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # the head's children share its session: none may outlive the tests
-            os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:
+        stop_ray_head(head)
+        raise
+    return head
+
+
+def stop_ray_head(head: dict) -> None:
+    proc = head["proc"]
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=wait)
+            break
         except ProcessLookupError:
-            pass
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):  # the head's children share its session: none may outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+    head["log"].close()
+    shutil.rmtree(head["temp_dir"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray head on 127.0.0.1 only, with token authentication and two units of the
+    test-only resource; the environment its clients need is set in ``os.environ`` meanwhile.
+
+    Yields ``{"address", "port", "proc", "temp_dir", "env", ...}``.
+    """
+    pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
+    from vllm_dspark.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+
+    added = {**RAY_ENV_LOCAL, **ray_auth_env()}
+    saved = {k: os.environ.get(k) for k in added}
+    os.environ.update(added)
+    previous = _refresh_imported_ray(False)
+    try:
+        head = start_ray_head("127.0.0.1", dict(os.environ), resources={RAY_CPU_TEST_RESOURCE: 2})
+        try:
+            yield {**head, "env": added}
+        finally:
+            stop_ray_head(head)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _refresh_imported_ray(previous)
+
+
+@pytest.fixture(scope="session")
+def ray_head(ray_cluster):
+    """The test cluster's address, for ``RAY_ADDRESS`` (see ``ray_cluster``)."""
+    return ray_cluster["address"]

@@ -13,7 +13,6 @@ must have been loaded by vLLM inside each Ray worker actor.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest

@@ -157,11 +157,16 @@ def test_draft_kv_blocks_stay_bounded_by_the_window(windowed, unwindowed):
 
     _, _, bs, kind = windowed["blocks"][900]
     assert kind == "SlidingWindowSpec"  # vLLM's KV-cache manager, not a mask, bounds the draft cache
+    # The plan's two figures: decode (1 + drafts in flight) and the prefill peak (a whole
+    # scheduler step in flight, which the first decode steps after a chunked prefill still hold).
     bound = draft_kv_blocks_per_sequence(block_size=bs, window=TRAINED, decode_tokens=BLOCK + 1, context=SERVED)
+    peak = draft_kv_blocks_per_sequence(block_size=bs, window=TRAINED,
+                                        decode_tokens=ENGINE["max_num_batched_tokens"], context=SERVED)
     peaks = {n: max(d) for n, (d, _, _, _) in windowed["blocks"].items()}
-    assert len(set(peaks.values())) == 1, peaks  # the same at 200, 500 and 900 tokens of context
-    assert max(peaks.values()) <= bound, (peaks, bound)
-    assert max(peaks.values()) >= bound - 1  # and the plan's figure is what the engine really holds
+    # The same at 200, 500 and 900 tokens of context, up to the one block a window that does not
+    # start on a block boundary straddles.
+    assert max(peaks.values()) - min(peaks.values()) <= 1, peaks
+    assert bound <= max(peaks.values()) <= peak, (peaks, bound, peak)  # what the plan reports
     _, t900, _, _ = windowed["blocks"][900]
     assert t900[-1] >= 900 // bs  # the target's own cache grows with the context
     no_window = {n: max(d) for n, (d, _, _, _) in unwindowed.items()}
@@ -176,6 +181,9 @@ def test_long_context_drafts_match_the_reference_with_the_window(windowed, pair)
     for rec in windowed["trace"]:
         if not str(rec["req_id"]).split("-")[0].isdigit():
             continue  # the KV probes' requests
+        n = int(str(rec["req_id"]).split("-")[0]) - first
+        if not 0 <= n < len(LONG) or rec["pos"] < len(LONG[n]):
+            continue  # a short prompt, or a chunked-prefill step (vLLM discards its draft)
         idx = match_sequence(rec, seqs, first_request=first)
         if idx is None or rec["pos"] < 3 * TRAINED:
             continue

@@ -75,7 +75,10 @@ def test_target_verifies_only_the_kept_drafts(runs):
     _, _, _, metrics, trace = runs
     s = acceptance_summary(metrics)
     assert s["num_draft_tokens"] == verified_draft_tokens(trace)
-    assert s["num_draft_tokens"] < N * s["num_drafts"]  # early stop really cut target work
+    # Early stop really cut target work: fewer tokens verified than N per proposal made (a
+    # proposal cut to 0 is a plain decode step and does not count in vLLM's num_drafts).
+    proposals = len(trace) - len({r["req_id"] for r in trace})  # each request's last is never verified
+    assert s["num_draft_tokens"] < N * proposals
     assert len(s["per_position_acceptance"]) >= N
 
 

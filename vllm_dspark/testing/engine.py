@@ -72,7 +72,7 @@ def read_trace(path: str | Path, kind: str = "draft") -> list[dict]:
     return [r for r in rows if key in r]
 
 
-def dspark_report(llm) -> dict:
+def dspark_report(llm) -> dict | None:
     """The DSpark proposer's counters, calibration table and cost model, from the engine's worker."""
     out = llm.collective_rpc("dspark_report")  # DSparkWorkerExtension (llm_engine installs it)
     return out[0] if out else None
