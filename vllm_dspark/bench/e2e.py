@@ -1,9 +1,10 @@
 """End-to-end measurements with vLLM: one engine per configuration, several workloads each.
 
-A "batch size" B means B requests in flight: prompts are submitted in waves of
-B to one engine (``max_num_seqs`` >= B), so batch 1 is plain sequential decode.
-Every number comes from the same run; speed is reported as a ratio to the
-no-speculation engine measured in that run.
+A "concurrency" C means C requests in flight: prompts are submitted in waves
+of C to one engine (``max_num_seqs`` >= C, every request runs to
+``max_tokens``), so C = 1 is plain sequential decoding. Every number comes from
+the same run; speed is reported as a ratio to the no-speculation engine
+measured in that run.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
+from vllm_dspark.testing.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 
 @dataclass
@@ -25,20 +26,115 @@ class EngineConfig:
     env: dict = field(default_factory=dict)
 
 
-def standard_configs(draft: str, block: int, threshold: float = 0.3) -> list[EngineConfig]:
-    """The configurations of the side-by-side benchmark."""
-    dspark = {"method": "dspark", "model": draft, "num_speculative_tokens": block}
-    return [
-        EngineConfig("no-spec"),
-        EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block,
-                               "prompt_lookup_max": 4, "prompt_lookup_min": 2}),
-        EngineConfig("dspark-no-markov", dspark, {"VLLM_DSPARK_DISABLE_MARKOV": "1"}),
-        EngineConfig("dspark", dspark),
-        EngineConfig(f"dspark-early-stop-{threshold:g}", dspark,
-                     {"VLLM_DSPARK_CONFIDENCE_THRESHOLD": str(threshold)}),
-        # Drafts sampled at the request's temperature (greedy requests still draft greedily).
-        EngineConfig("dspark-probabilistic", {**dspark, "draft_sample_method": "probabilistic"}),
-    ]
+@dataclass
+class Pair:
+    """A target, its DSpark drafter, the DFlash-style ablation (if trained) and prompt sets."""
+
+    name: str
+    target: str
+    draft: str
+    ablation: str | None
+    datasets: dict[str, list]  # name -> prompts (strings, or token-id lists)
+    dtype: str = "float32"
+    max_model_len: int = 2048
+
+
+def default_pair(num_prompts: int | None = None) -> Pair:
+    """SmolLM2-135M-Instruct + the shipped drafters; chat set and HumanEval, chat-templated."""
+    from transformers import AutoTokenizer
+
+    from vllm_dspark import default_pair as dp
+    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+
+    paths = dp.default_paths()
+    tok = AutoTokenizer.from_pretrained(paths["target"])
+
+    def chat(prompts):
+        return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                        tokenize=False) for p in prompts]
+
+    ablation = dp.draft_dir("dflash")
+    return Pair("smollm2", paths["target"], paths["draft"],
+                str(ablation) if (ablation / "config.json").is_file() else None,
+                {"chat": chat(chat_eval_prompts(num_prompts)), "humaneval": chat(humaneval_prompts(num_prompts))})
+
+
+def toy_pair(num_prompts: int | None = None) -> Pair:
+    """The earlier bundled toy pair (19M Qwen3 on the standard library), now a test fixture."""
+    root = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "toy_pair"
+    if not (root / "drafter" / "config.json").is_file():
+        raise FileNotFoundError(f"the toy pair is a repository fixture ({root}); run from a clone")
+    return Pair("toy", str(root / "target"), str(root / "drafter"), None,
+                {"code": load_prompts(root / "prompts_heldout.jsonl", num_prompts)}, dtype="float32")
+
+
+def dspark_spec(draft: str, block: int = 7, **dspark) -> dict:
+    spec = {"method": "dspark", "model": draft, "num_speculative_tokens": block}
+    if dspark:
+        spec["dspark"] = dict(dspark)
+    return spec
+
+
+def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
+    """Issue 9's comparison: no speculation, n-gram, the DFlash-style ablation, DSpark (defaults)."""
+    out = [EngineConfig("no-spec"),
+           EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block, "prompt_lookup_max": 4,
+                                  "prompt_lookup_min": 2})]
+    if pair.ablation:
+        out.append(EngineConfig("dflash-ablation", dspark_spec(pair.ablation, block)))
+    out.append(EngineConfig("dspark", dspark_spec(pair.draft, block)))
+    return out
+
+
+def verification_configs(pair: Pair, block: int = 7, product: float = 0.3, threshold: float = 0.5
+                         ) -> list[EngineConfig]:
+    """Issue 10's comparison: fixed lengths, the two threshold rules, budgeted verification."""
+    out = [EngineConfig("no-spec")]
+    for k in (1, 3, block):
+        out.append(EngineConfig(f"fixed-{k}", dspark_spec(pair.draft, k, verification="fixed")))
+    out += [EngineConfig(f"product-{product:g}", dspark_spec(pair.draft, block, verification="product",
+                                                             threshold=product)),
+            EngineConfig(f"threshold-{threshold:g}", dspark_spec(pair.draft, block, verification="threshold",
+                                                                 threshold=threshold)),
+            EngineConfig("budget", dspark_spec(pair.draft, block, verification="budget"))]
+    return out
+
+
+def pair_block(report: dict) -> int:
+    return int(report["settings"]["num_draft_tokens"])
+
+
+def calibration(records: list[dict], positions: int, bins: int = 10) -> dict:
+    """The confidence head on this workload: predicted vs measured conditional acceptance.
+
+    From the proposer's acceptance records: position j of a verified draft was
+    reached when every earlier draft was accepted, and is a hit when it was
+    accepted too. Per position and per confidence bin, with the expected
+    calibration error (bin-count-weighted mean |predicted - measured|).
+    """
+    import numpy as np
+
+    pc, ph, ps = np.zeros(positions), np.zeros(positions), np.zeros(positions)
+    bc, bh, bs = np.zeros(bins), np.zeros(bins), np.zeros(bins)
+    for r in records:
+        conf, k, a = r["confidence"], r["verified"], r["accepted"]
+        for j in range(min(a, k - 1) + 1):
+            c = float(conf[j])
+            hit = 1.0 if j < a else 0.0
+            b = min(bins - 1, int(c * bins))
+            pc[j] += 1
+            ph[j] += hit
+            ps[j] += c
+            bc[b] += 1
+            bh[b] += hit
+            bs[b] += c
+    total = bc.sum()
+    ece = float((np.abs(bs - bh)).sum() / total) if total else float("nan")
+    return {"positions": {"count": pc.tolist(), "predicted": (ps / np.maximum(pc, 1)).tolist(),
+                          "measured": (ph / np.maximum(pc, 1)).tolist()},
+            "bins": {"count": bc.tolist(), "predicted": (bs / np.maximum(bc, 1)).tolist(),
+                     "measured": (bh / np.maximum(bc, 1)).tolist()},
+            "ece": ece}
 
 
 def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -48,65 +144,78 @@ def load_prompts(path: str | Path, limit: int | None = None) -> list[str]:
 
 
 def _delta(after: dict, before: dict) -> dict:
-    out = {}
+    out: dict = {}
     for k, v in after.items():
         b = before.get(k, 0)
-        out[k] = [x - y for x, y in zip(v, b or [0] * len(v))] if isinstance(v, list) else v - (b or 0)
+        if isinstance(v, dict):
+            out[k] = _delta(v, b or {})
+        elif isinstance(v, list):
+            out[k] = [x - y for x, y in zip(v, b or [0] * len(v))]
+        elif isinstance(v, (int, float)):
+            out[k] = v - (b or 0)
+        else:
+            out[k] = v
     return out
 
 
-def early_stop_stats(trace: list[dict], block: int) -> dict:
-    if not trace:
-        return {}
-    kept = [r["kept"] for r in trace]
-    return {
-        "draft_steps": len(kept),
-        "cut_fraction": sum(k < block for k in kept) / len(kept),
-        "mean_kept": sum(kept) / len(kept),
-        "empty_fraction": sum(k == 0 for k in kept) / len(kept),
-    }
+def _inputs(prompts: list) -> list:
+    return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
 
 
-def run_engine(target: str, cfg: EngineConfig, prompts: list[str], *, batch_sizes=(1,), temperatures=(0.0,),
-               max_tokens: int = 64, max_model_len: int = 2048, dtype: str = "bfloat16", block: int = 7,
-               log=print) -> list[dict]:
-    """Start one engine for ``cfg`` and measure every (batch size, temperature) workload on it."""
+def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, concurrencies=(1,),
+               temperatures=(0.0,), max_tokens: int = 64, prompts_per_cell=None, log=print,
+               max_num_seqs: int | None = None) -> list[dict]:
+    """Start one engine for ``cfg`` and measure every (dataset, concurrency, temperature) cell.
+
+    ``prompts_per_cell(c)`` bounds the prompts of a cell (default: all); outputs of
+    the same cell are comparable across configurations because every
+    configuration sees the same prompts and sampling parameters.
+    """
     from vllm import SamplingParams
 
     results = []
     trace_dir = tempfile.mkdtemp(prefix="dspark-bench-")
     trace = os.path.join(trace_dir, "trace.jsonl")
     env = dict(cfg.env)
-    if cfg.speculative_config and cfg.speculative_config.get("method") == "dspark":
-        env["VLLM_DSPARK_TRACE"] = trace
+    spec = cfg.speculative_config
+    if spec and spec.get("method") == "dspark":
+        spec = {**spec, "dspark": {**spec.get("dspark", {}), "trace": trace}}
     t0 = time.monotonic()
-    with llm_engine(target, speculative_config=cfg.speculative_config, env=env, dtype=dtype,
-                    max_model_len=max_model_len, max_num_seqs=max(batch_sizes)) as llm:
+    with llm_engine(pair.target, speculative_config=spec, env=env, dtype=pair.dtype,
+                    max_model_len=pair.max_model_len, max_num_seqs=max_num_seqs or max(concurrencies)) as llm:
         log(f"[{cfg.name}] engine up in {time.monotonic() - t0:.0f} s")
-        # Warm-up: the first steps pay for lazy initialisation.
-        llm.generate(prompts[:2], SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-        for temp in temperatures:
-            for bs in batch_sizes:
-                if os.path.exists(trace):
-                    os.remove(trace)
-                before = spec_metrics(llm)
-                params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=1234 if temp > 0 else None,
-                                        ignore_eos=True)
-                outputs = []
-                start = time.perf_counter()
-                for i in range(0, len(prompts), bs):
-                    outs = llm.generate(prompts[i:i + bs], params, use_tqdm=False)
-                    outputs += [list(o.outputs[0].token_ids) for o in outs]
-                seconds = time.perf_counter() - start
-                tokens = sum(len(t) for t in outputs)
-                row = {"config": cfg.name, "batch_size": bs, "temperature": temp, "requests": len(prompts),
-                       "output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                       "outputs": outputs}
-                if cfg.speculative_config:
-                    row.update(acceptance_summary(_delta(spec_metrics(llm), before)))
-                    row.update(early_stop_stats(read_trace(trace), block))
-                results.append(row)
-                log(f"[{cfg.name}] batch {bs} T={temp}: {row['tokens_per_s']:.1f} tok/s"
-                    + (f", acceptance length {row['mean_acceptance_length']:.2f}"
-                       if "mean_acceptance_length" in row else ""))
+        warm = next(iter(datasets.values()))[:2]
+        llm.generate(_inputs(warm), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        for ds, prompts in datasets.items():
+            for temp in temperatures:
+                for c in concurrencies:
+                    cell = prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts
+                    if os.path.exists(trace):
+                        os.remove(trace)
+                    before = spec_metrics(llm)
+                    rep0 = dspark_report(llm) if spec and spec.get("method") == "dspark" else None
+                    params = SamplingParams(max_tokens=max_tokens, temperature=temp,
+                                            seed=1234 if temp > 0 else None, ignore_eos=True)
+                    outputs: list[list[int]] = []
+                    start = time.perf_counter()
+                    for i in range(0, len(cell), c):
+                        outs = llm.generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
+                        outputs += [list(o.outputs[0].token_ids) for o in outs]
+                    seconds = time.perf_counter() - start
+                    tokens = sum(len(t) for t in outputs)
+                    row = {"pair": pair.name, "config": cfg.name, "dataset": ds, "concurrency": c,
+                           "temperature": temp, "requests": len(cell), "output_tokens": tokens,
+                           "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
+                    if spec:
+                        row.update(acceptance_summary(_delta(spec_metrics(llm), before)))
+                    if rep0 is not None:
+                        rep = dspark_report(llm)
+                        assert rep is not None  # the same engine answered for rep0
+                        row["dspark"] = {k: _delta(rep[k], rep0[k]) for k in ("stats", "timings_s")}
+                        row["dspark"]["calibration"] = calibration(read_trace(trace, "acceptance"),
+                                                                   pair_block(rep))
+                    results.append(row)
+                    log(f"[{cfg.name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s"
+                        + (f", acceptance length {row['mean_acceptance_length']:.2f}"
+                           if "mean_acceptance_length" in row else ""))
     return results
