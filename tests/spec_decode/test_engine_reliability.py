@@ -111,16 +111,20 @@ def _cancellations(llm) -> dict:
     internal, done = {}, {}
     for i, p in enumerate(prompts):
         internal[f"c{i}"] = eng.add_request(f"c{i}", {"prompt_token_ids": p}, params)
-    cancelled = [f"c{i}" for i in (1, 2, 5, 6)]
-    steps = 0
+    cancelled = [f"c{i}" for i in (1, 2, 3, 4)]  # admitted first: the KV cache cannot hold all 8
+    steps, mid = 0, None
     while eng.has_unfinished_requests():
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
         steps += 1
-        if steps == 9:  # mid-decode: prefills done, a few draft/verify steps behind
-            mid = {rid: len(_core(llm).scheduler.requests[internal[rid]].output_token_ids) for rid in cancelled}
-            eng.abort_request(cancelled)
+        if mid is None:
+            # Mid-decode: abort once every request to cancel has its first tokens (prefill done,
+            # draft/verify steps under way); how many steps that takes depends on the drafts.
+            n = {rid: len(_core(llm).scheduler.requests[internal[rid]].output_token_ids) for rid in cancelled}
+            if min(n.values()) >= 1:
+                mid = n
+                eng.abort_request(cancelled)
         assert steps < 500
     after_abort = _state(llm)
     # Full capacity again: MAX_SEQS requests run side by side.
@@ -239,7 +243,7 @@ def test_cancelled_requests_leave_no_state_and_free_their_blocks(dspark, baselin
     assert all(0 < n < 32 for n in c["mid"].values()), c["mid"]  # aborted mid-decode
     # Survivors decode exactly as without speculation (and without the aborts there).
     assert c["survivors"] == baseline["cancel"]["survivors"]
-    assert sorted(c["survivors"]) == ["c0", "c3", "c4", "c7"] and all(len(t) == 32 for t in c["survivors"].values())
+    assert sorted(c["survivors"]) == ["c0", "c5", "c6", "c7"] and all(len(t) == 32 for t in c["survivors"].values())
     for key in ("after_abort", "after"):
         s = c[key]
         assert s["free_blocks"] == c["before"]["free_blocks"], (key, s)  # every block back
