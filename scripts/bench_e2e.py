@@ -201,7 +201,8 @@ def main() -> int:
     ap.add_argument("--temperatures", default="0,1.0")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts", type=int, default=None,
-                    help="prompts per cell at concurrency 1 (cells at C use max(this, 2C))")
+                    help="prompts per cell at concurrency 1 (cells at C use max(this, waves x C))")
+    ap.add_argument("--waves", type=int, default=2, help="prompts per cell at concurrency C: waves x C")
     ap.add_argument("--out", default=str(ROOT / "reports" / "e2e"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
@@ -224,7 +225,7 @@ def main() -> int:
     per1 = args.prompts or 8
 
     def per_cell(c: int) -> int:
-        return max(per1, 2 * c)
+        return max(per1, args.waves * c)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -300,7 +300,11 @@ class DSparkConfig:
             "projector_type": self.projector_type,
             "target_layer_ids": list(self.target_layer_ids),
         }
-        dc["sample_from_anchor"] = self.sample_from_anchor
+        if self.sample_from_anchor != (self.projector_type == "dspark"):
+            # Written only where it differs from what the projector type implies: vLLM 0.33's
+            # DFlash speculator (which its DSpark speculator builds on) refuses any config that
+            # carries sample_from_anchor=True, and SpecForge's DSpark exports leave it out.
+            dc["sample_from_anchor"] = self.sample_from_anchor
         d = {
             "architectures": ["DSparkDraftModel"],
             "attention_bias": self.attention_bias,

@@ -26,7 +26,6 @@ from __future__ import annotations
 import builtins
 import contextlib
 import hashlib
-import importlib
 import importlib.util
 import json
 import linecache
@@ -109,6 +108,7 @@ def fetch_sdist(project: str = "vllm", version: str = "0.33.0", *, directory: Pa
                 out.write(chunk)
         if h.hexdigest() != sha256:
             raise UpstreamUnavailable(f"{url}: sha256 {h.hexdigest()} does not match PyPI's {sha256}")
+        os.chmod(tmp, 0o644)
         os.replace(tmp, dest)
     except (OSError, urllib.error.URLError) as exc:
         raise UpstreamUnavailable(f"can't download {url}: {exc}") from exc
@@ -198,6 +198,57 @@ def real_triton_utils() -> types.ModuleType:
     return mod
 
 
+@contextlib.contextmanager
+def triton_interpreter_fixes() -> Iterator[None]:
+    """Two gaps of Triton's CPU interpreter that upstream kernels hit, closed while this context is active.
+
+    * Triton functions decorated BEFORE ``TRITON_INTERPRET=1`` was set (in a
+      test process: ``triton.language``'s own ``@jit`` helpers such as
+      ``tl.max(..., return_indices=True)``, imported with vLLM) are plain
+      ``JITFunction`` objects, whose ``__call__`` only raises "Cannot call
+      @triton.jit'd outside of the scope of a kernel". Here a call runs the
+      function in the interpreter instead, as it would have been had the
+      variable been set at import. (Compiled launches, ``kernel[grid](...)``,
+      do not go through ``__call__``.)
+    * Triton 3.9's interpreter evaluates ``block_mask & scalar_flag`` (two int1
+      values, e.g. ``mask & is_valid_req`` in vLLM's ``gumbel_block_argmax``)
+      to an int32/int64 array, and its masked load/store then fail with "mask
+      has unsupported dtype"; compiled Triton keeps int1. Here they get ``mask
+      != 0`` (the same truth values).
+    """
+    import triton.language as tl
+    from triton.runtime import interpreter, jit
+
+    builder = interpreter.InterpreterBuilder
+    load, store = builder.create_masked_load, builder.create_masked_store
+    call = jit.JITFunction.__call__
+    interpreted: dict[Any, Any] = {}
+
+    def as_bool(mask: Any) -> Any:
+        if mask.data.dtype == bool:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, tl.int1)
+
+    def masked_load(self: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+        return load(self, ptrs, as_bool(mask), *args)
+
+    def masked_store(self: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+        return store(self, ptrs, value, as_bool(mask), *args)
+
+    def interpret_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fn not in interpreted:
+            interpreted[self.fn] = interpreter.InterpretedFunction(self.fn)
+        return interpreted[self.fn](*args, **kwargs)
+
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+    jit.JITFunction.__call__ = interpret_call
+    try:
+        yield
+    finally:
+        builder.create_masked_load, builder.create_masked_store = load, store
+        jit.JITFunction.__call__ = call
+
+
 class UpstreamModules:
     """Execute chosen upstream files from an sdist as private modules.
 
@@ -263,24 +314,19 @@ class UpstreamModules:
         package = (globals or {}).get("__package__")
         absolute = importlib.util.resolve_name("." * level + name, package) if level else name
         fromlist = tuple(fromlist or ())
-        if absolute in self.stubs:
-            self.resolved[absolute] = "stub"
-            return self.stubs[absolute] if fromlist or "." not in absolute else self._top(absolute)
-        if absolute in self.upstream:
+        if absolute in self.stubs or absolute in self.upstream:
+            if not fromlist and "." in absolute:  # `import a.b` binds `a`, the installed package: can't be redirected
+                raise ImportError(f"`import {absolute}` in an upstream file can't be redirected to the stub or the "
+                                  "sdist's copy; only `from ... import ...` can")
+            if absolute in self.stubs:
+                self.resolved[absolute] = "stub"
+                return self.stubs[absolute]
             self.resolved[absolute] = "upstream"
-            mod = self.load(absolute)
-            if not fromlist:
-                raise ImportError(f"`import {absolute}` (no from-list) of a module loaded from the sdist is not "
-                                  "supported; only `from ... import ...`")
-            return mod
+            return self.load(absolute)
         self.resolved.setdefault(absolute, "installed")
         if level:
             return builtins.__import__(absolute, None, None, fromlist, 0)
         return builtins.__import__(name, globals, locals, fromlist, level)
-
-    @staticmethod
-    def _top(name: str) -> types.ModuleType:
-        return importlib.import_module(name.split(".", 1)[0])
 
     def close(self) -> None:
         """Drop the private modules from ``sys.modules``."""
@@ -290,4 +336,4 @@ class UpstreamModules:
 
 
 __all__ = ["Sdist", "UpstreamModules", "UpstreamUnavailable", "fetch_sdist", "module_path", "real_triton_utils",
-           "sdist_release"]
+           "sdist_release", "triton_interpreter_fixes"]
