@@ -75,7 +75,10 @@ def _free_port() -> int:
 #   resolve a 127.0.0.1 address the same way, and would then knock on the outward address.
 # * RAY_AUTH_MODE=token with a random token: Ray's token authentication, on for every process
 #   of the cluster and every client of it.
-RAY_ENV_LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# VLLM_HOST_IP: vLLM's Ray executor pins its first placement-group bundle to the driver's node
+# ("node:<VLLM_HOST_IP or the machine's primary address>"); the test cluster's only node is
+# 127.0.0.1, as the deployment scripts set it to the address the node was started with.
+RAY_ENV_LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "VLLM_HOST_IP": "127.0.0.1"}
 
 
 def ray_auth_env() -> dict[str, str]:
