@@ -51,11 +51,20 @@ def _key(proposer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+PROFILE_MAX_TOKENS = 512
+PROFILE_MAX_REQUESTS = 64
+
+
 def profile(proposer) -> B.CostModel:
     runner = proposer.runner
     vc = proposer.vllm_config
     max_seqs = int(vc.scheduler_config.max_num_seqs)
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
+    # Dummy batches past these sizes crashed vLLM 0.32's CPU attention kernel (a segfault in
+    # cpu_attn's GEMM during warm-up; seen with max_num_seqs 256, 8K batched tokens). Beyond the
+    # last profiled point the cost model extrapolates linearly and the online EMA corrects it.
+    max_verify = min(max_verify, PROFILE_MAX_TOKENS)
+    max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
     verify = []
     for n in B.profile_sizes(max_verify):
         verify.append((n, _time(lambda n=n: runner._dummy_run(n, force_attention=True))))
