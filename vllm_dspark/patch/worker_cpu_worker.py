@@ -11,7 +11,8 @@ from __future__ import annotations
 from vllm_dspark.patch.registry import Patch, register_patch
 
 
-def _make(original):
+def make_engine_ready_hook(original):
+    """``compile_or_warm_up_model`` that then calls the DSpark proposer's ``on_engine_ready``."""
     def compile_or_warm_up_model(self):
         out = original(self)
         drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
@@ -30,5 +31,5 @@ PATCH = register_patch(Patch(
     why="the target's verify cost can only be measured with the KV cache allocated and the model warm",
     versions=("0.32",),
     removable_when="vLLM gives proposers a post-warm-up hook",
-    make=_make,
+    make=make_engine_ready_hook,
 ))

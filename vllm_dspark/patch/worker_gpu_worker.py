@@ -10,17 +10,8 @@ from __future__ import annotations
 
 from vllm_dspark.patch.registry import Patch, register_patch
 
-
-def _make(original):
-    def compile_or_warm_up_model(self):
-        out = original(self)
-        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
-        hook = getattr(drafter, "on_engine_ready", None)
-        if callable(hook):
-            hook()
-        return out
-    return compile_or_warm_up_model
-
+# Each worker class defines its own compile_or_warm_up_model, so each is patched; one hook serves both.
+from vllm_dspark.patch.worker_cpu_worker import make_engine_ready_hook
 
 PATCH = register_patch(Patch(
     name="gpu-worker-dspark-engine-ready",
@@ -30,5 +21,5 @@ PATCH = register_patch(Patch(
     why="the target's verify cost can only be measured with the KV cache allocated and the model warm",
     versions=("0.32",),
     removable_when="vLLM gives proposers a post-warm-up hook",
-    make=_make,
+    make=make_engine_ready_hook,
 ))
