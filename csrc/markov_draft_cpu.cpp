@@ -13,6 +13,10 @@
 //      candidates whose own bound can still beat the best exact score so far.
 // A row whose tier-2 candidates overflow kCandCap, and every row when
 // out_logits is requested, is computed densely instead.
+// The CUDA kernel (markov_draft_kernels.cu) has the same phases under device
+// names: pass 1 is cand_kernel + Walker::merge, phase 2 is Walker::pruned
+// (plus Walker::pair_tables for small sets), RowSolver::dense is
+// Walker::dense, and draft_request's loop is Walker::walk.
 #include <omp.h>
 
 #include <algorithm>

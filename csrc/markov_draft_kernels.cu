@@ -659,40 +659,60 @@ __device__ __forceinline__ void serve_tile(const MarkovDraftParams& p, const Wor
 }
 
 // --------------------------------------------------------- 2. the walk
-template <typename TW>
-__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams p, Workspace w) {
-  constexpr int NT = kWalkThreads, NW = kWalkWarps;
-  DSPARK_SMEM_ARRAY(float, scr_f, NW);
-  DSPARK_SMEM_ARRAY(int, scr_i, NW);
-  DSPARK_SMEM_ARRAY(double, scr_d, 2 * NW);
-  DSPARK_SMEM_ARRAY(float, scr_bs, NW);
-  DSPARK_SMEM_ARRAY(long long, scr_bj, NW);
-  DSPARK_SMEM_ARRAY(int, s_range, 2);
-  DSPARK_SMEM_ARRAY(int, s_ctl, 4);          // claim, pending, slot, pos
-  DSPARK_SMEM_ARRAY(long long, s_prev, 1);   // previous token
-  DSPARK_SMEM_ARRAY(int, s_prev_a, 1);       // its index in the previous pair table, -1: none
-  DSPARK_SMEM_ARRAY(int, s_len, 2);          // alive, length
-  DSPARK_SMEM_ARRAY(int, s_Lkey, kMaxPrunedBlock);
-  DSPARK_SMEM_ARRAY(int, s_Dkey, kMaxPrunedBlock);
-  DSPARK_SMEM_ARRAY(int, s_nF, kMaxPrunedBlock);
-  DSPARK_SMEM_ARRAY(int, s_tidx, kTablePos * kTableCap);
-  DSPARK_SMEM_ARRAY(float, s_tbase, kTablePos * kTableCap);
-  DSPARK_SMEM_ARRAY(float, s_tg, kTablePos * kTableCap);
-  DSPARK_SMEM_ARRAY(float, s_pd, kTablePos * kTableCap * kTableCap);
-  DSPARK_SMEM_ARRAY(float, s_pconf, kTablePos * kTableCap);
-  DSPARK_SMEM_ARRAY(int, s_pok, kTablePos * kTableCap);
-  DSPARK_DYN_SMEM(dyn);
-  sptr<float> s_e = dev::smem_cast<float>(dyn);                     // [rank]
-  sptr<int> s_cnt = dev::smem_cast<int>(dyn + 4 * p.rank);          // [B * T1]
+// walk_kernel: one block per request (its walker) plus kHelpers helper blocks.
+// A walker runs the CPU twin's phases (markov_draft_cpu.cpp) as named device
+// functions:
+//   1. Walker::merge        cand_kernel's tiles -> one certified candidate set
+//                           per row (the twin's pass 1 of RowSolver::pruned);
+//   2. Walker::pair_tables  small sets only: every (previous candidate,
+//                           candidate) dot, confidence and norm check;
+//   3. Walker::walk         the positions in order (the twin's draft_request):
+//                           walk_tables while the pair tables decide, else
+//                           prev_embedding, then Walker::pruned: the exact
+//                           scores of the certified set (RowSolver::pruned's
+//                           phase 2);
+//   4. Walker::dense        an uncertified row (RowSolver::dense), computed
+//                           wide: the walker posts a job whose markov_w2 tiles
+//                           every block serves (WalkBlock::help: the helpers).
+// The phases are __forceinline__: the kernel is still one function, with the
+// registers it had as one body (scripts/compile_cuda.sh prints them).
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t rows = p.R * p.B;
-  const int64_t Td = w.Td;
+// What every block of the walk grid has: its shared memory and the dense job
+// protocol's words. Walkers and helpers both serve dense tiles.
+struct WalkBlock {
+  static constexpr int NT = kWalkThreads, NW = kWalkWarps;
+  const MarkovDraftParams& p;
+  const Workspace& w;
+  sptr<float> scr_f;        // [NW] reduction scratch
+  sptr<int> scr_i;          // [NW]
+  sptr<double> scr_d;       // [2 * NW]
+  sptr<float> scr_bs;       // [NW]
+  sptr<long long> scr_bj;   // [NW]
+  sptr<int> s_range;        // [2] serve_tile's job range
+  sptr<int> s_ctl;          // [4] claim, pending, slot, pos
+  sptr<long long> s_prev;   // [1] previous token
+  sptr<int> s_prev_a;       // [1] its index in the previous pair table, -1: none
+  sptr<int> s_len;          // [2] alive, length
+  sptr<int> s_Lkey;         // [B] best kept lower bound (order key)
+  sptr<int> s_Dkey;         // [B] largest dropped upper bound (order key)
+  sptr<int> s_nF;           // [B] certified set sizes
+  sptr<int> s_tidx;         // [kTablePos * kTableCap] table candidates: token id,
+  sptr<float> s_tbase;      //   base logit,
+  sptr<float> s_tg;         //   exact Gumbel noise (sampled)
+  sptr<float> s_pd;         // [kTablePos * kTableCap * kTableCap] pair dots
+  sptr<float> s_pconf;      // [kTablePos * kTableCap] confidence per previous candidate
+  sptr<int> s_pok;          // [kTablePos * kTableCap] its ||e|| within the bound
+  sptr<float> s_e;          // [rank] the previous token's embedding (dynamic)
+  sptr<int> s_cnt;          // [B * T1] kept tokens per tile (dynamic)
+  int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  int64_t rows = p.R * p.B;
+  int64_t Td = w.Td;
   int* cov = tile_cov(w, rows);
   int* lock = tile_lock(w, rows);
 
-  if (static_cast<int64_t>(blockIdx.x) >= p.R) {
-    // Helper: serve dense tiles of posted jobs until every walker is done.
+  // Helper block: serve dense tiles of posted jobs until every walker is done.
+  template <typename TW>
+  __device__ __forceinline__ void help() const {
     int64_t cursor = (static_cast<int64_t>(blockIdx.x) * 131) % Td;
     while (true) {
       if (tid == 0) {
@@ -724,142 +744,196 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
         __nanosleep(2000);
       }
     }
-    return;
   }
+};
 
-  const int64_t r = blockIdx.x;
-  const TW* w1 = static_cast<const TW*>(p.w1);
-  const TW* w2 = static_cast<const TW*>(p.w2);
-  const float T = gld(p.temperature + r);
-  const bool sampled = T > 0.f;
-  const int64_t seed = gld(p.seeds + r);
-  const float* mn = norms_src(p, w);
-  const double e_max = static_cast<double>(gld(mn));
-  const float w2_max = gld(mn + 1);
-  const float M = uniform_bound(mn);
-  const int64_t anchor = gld(p.anchor + r);
-  const int64_t B = p.B, T1 = w.T1;
+// The walker of request r = blockIdx.x (CPU twin: draft_request + RowSolver).
+template <typename TW>
+struct Walker : WalkBlock {
+  int64_t r;
+  const TW* w1;
+  const TW* w2;
+  float T;
+  bool sampled;
+  int64_t seed;
+  const float* mn;
+  double e_max;
+  float w2_max;
+  float M;
+  int64_t anchor;
+  int64_t B, T1;
 
-  // ---- merge the tiles of every row into certified sets
-  // The tile headers are loaded together with the parameters (one round trip);
-  // B * T1 <= kMaxRowTiles = kHeadsPerThread * NT.
-  constexpr int kHeadsPerThread = kMaxRowTiles / NT;
-  TileHead heads[kHeadsPerThread];
-#pragma unroll
-  for (int q = 0; q < kHeadsPerThread; ++q) {
-    const int64_t k = tid + static_cast<int64_t>(q) * NT;
-    if (k < B * T1) heads[q] = gld(w.heads + r * B * T1 + k);
-  }
-  // What the walk reads later without knowing it yet: into L2 now.
-  if (tid == 0) dev::prefetch_l2(w1 + (anchor >= 0 && anchor < p.V ? anchor : 0) * p.rank,
-                                 p.rank * sizeof(TW));
-  if (tid == 1 && p.conf_base != nullptr) dev::prefetch_l2(p.conf_base + r * B, B * sizeof(float));
-  if (tid == 2 && p.conf_w != nullptr) dev::prefetch_l2(p.conf_w, p.rank * sizeof(float));
-  for (int64_t i = tid; i < B; i += NT) {
-    s_Lkey[i] = order_key(neg_inf());
-    s_Dkey[i] = order_key(neg_inf());
-    s_nF[i] = 0;
-  }
-  __syncthreads();
-#pragma unroll
-  for (int q = 0; q < kHeadsPerThread; ++q) {
-    const int64_t k = tid + static_cast<int64_t>(q) * NT;
-    if (k >= B * T1) continue;
-    const int64_t i = k / T1;
-    s_cnt[k] = heads[q].count;
-    if (heads[q].count > 0) atomicMax(s_Lkey + i, order_key(heads[q].kept_mlb));
-    atomicMax(s_Dkey + i, order_key(heads[q].drop_ub));
-  }
-  __syncthreads();
+  __device__ __forceinline__ explicit Walker(const WalkBlock& b)
+      : WalkBlock(b),
+        r(blockIdx.x),
+        w1(static_cast<const TW*>(p.w1)),
+        w2(static_cast<const TW*>(p.w2)),
+        T(gld(p.temperature + r)),
+        sampled(T > 0.f),
+        seed(gld(p.seeds + r)),
+        mn(norms_src(p, w)),
+        e_max(static_cast<double>(gld(mn))),
+        w2_max(gld(mn + 1)),
+        M(uniform_bound(mn)),
+        anchor(gld(p.anchor + r)),
+        B(p.B),
+        T1(w.T1) {}
+
   // Row i is certified when every dropped token's upper bound is below the
   // best lower bound kept (tokens below a tile's own best lower bound were
   // never candidates). Equal keys (e.g. both -inf) do not certify.
-  auto certified = [&](int64_t i) { return s_Dkey[i] < s_Lkey[i]; };
-  for (int64_t k = tid; k < B * T1 * kKeep; k += NT) {
-    const int64_t tile_k = k / kKeep, q = k % kKeep, i = tile_k / T1;
-    if (q >= s_cnt[tile_k] || !certified(i)) continue;
-    const Entry en = gld(w.kept + r * B * T1 * kKeep + k);
-    const uint32_t key = sampled ? row_key(seed, static_cast<int>(i)) : 0u;
-    float lb, ub;
-    score_bounds(en.base, M, sampled, T, key, en.idx, &lb, &ub);
-    if (!(ub >= key_float(s_Lkey[i]))) continue;
-    const int pos = atomicAdd(s_nF + i, 1);
-    gst(w.fsets + (r * B + i) * T1 * kKeep + pos, en);
-    if (i < kTablePos && pos < kTableCap) {
-      s_tidx[i * kTableCap + pos] = en.idx;
-      s_tbase[i * kTableCap + pos] = en.base;
-      s_tg[i * kTableCap + pos] =
-          sampled ? gumbel_exact(token_hash(key, static_cast<uint32_t>(en.idx))) : 0.f;
-    }
-  }
-  __syncthreads();
-
-  // ---- pair tables: for small sets, every (previous candidate, candidate)
-  // dot product, the confidence and the norm check of every previous candidate.
-  auto in_table = [&](int64_t i) {
+  __device__ __forceinline__ bool certified(int64_t i) const { return s_Dkey[i] < s_Lkey[i]; }
+  __device__ __forceinline__ bool in_table(int64_t i) const {
     return i < kTablePos && certified(i) && s_nF[i] >= 1 && s_nF[i] <= kTableCap;
-  };
+  }
   // Position i is walked from the tables when its set and the previous one
   // (the possible previous tokens) are both small.
-  auto tabled = [&](int64_t i) { return in_table(i) && (i == 0 || in_table(i - 1)); };
-  // Rows the walk may need later (moderate sets): into L2 now, without waiting,
-  // so that its dependent loads hit L2 instead of DRAM.
-  {
-    const int64_t row_bytes = p.rank * static_cast<int64_t>(sizeof(TW));
-    for (int64_t i = 0; i < B; ++i) {
-      const int nF = s_nF[i];
-      if (nF > kPrefetchCap) continue;
-      for (int q = tid; q < 2 * nF; q += NT) {
-        const Entry en = gld(w.fsets + (r * B + i) * T1 * kKeep + q / 2);
-        dev::prefetch_l2((q & 1 ? w1 : w2) + static_cast<int64_t>(en.idx) * p.rank, row_bytes);
+  __device__ __forceinline__ bool tabled(int64_t i) const {
+    return in_table(i) && (i == 0 || in_table(i - 1));
+  }
+  __device__ __forceinline__ int table_index(int64_t i, int64_t tok) const {
+    if (!in_table(i)) return -1;
+    for (int q = 0; q < s_nF[i]; ++q) if (s_tidx[i * kTableCap + q] == tok) return q;
+    return -1;
+  }
+
+  // ---- phase 1, merge: the tiles of every row into certified sets.
+  __device__ __forceinline__ void merge() {
+    // The tile headers are loaded together with the parameters (one round
+    // trip); B * T1 <= kMaxRowTiles = kHeadsPerThread * NT.
+    constexpr int kHeadsPerThread = kMaxRowTiles / NT;
+    TileHead heads[kHeadsPerThread];
+#pragma unroll
+    for (int q = 0; q < kHeadsPerThread; ++q) {
+      const int64_t k = tid + static_cast<int64_t>(q) * NT;
+      if (k < B * T1) heads[q] = gld(w.heads + r * B * T1 + k);
+    }
+    // What the walk reads later without knowing it yet: into L2 now.
+    if (tid == 0) dev::prefetch_l2(w1 + (anchor >= 0 && anchor < p.V ? anchor : 0) * p.rank,
+                                   p.rank * sizeof(TW));
+    if (tid == 1 && p.conf_base != nullptr) dev::prefetch_l2(p.conf_base + r * B, B * sizeof(float));
+    if (tid == 2 && p.conf_w != nullptr) dev::prefetch_l2(p.conf_w, p.rank * sizeof(float));
+    for (int64_t i = tid; i < B; i += NT) {
+      s_Lkey[i] = order_key(neg_inf());
+      s_Dkey[i] = order_key(neg_inf());
+      s_nF[i] = 0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int q = 0; q < kHeadsPerThread; ++q) {
+      const int64_t k = tid + static_cast<int64_t>(q) * NT;
+      if (k >= B * T1) continue;
+      const int64_t i = k / T1;
+      s_cnt[k] = heads[q].count;
+      if (heads[q].count > 0) atomicMax(s_Lkey + i, order_key(heads[q].kept_mlb));
+      atomicMax(s_Dkey + i, order_key(heads[q].drop_ub));
+    }
+    __syncthreads();
+    for (int64_t k = tid; k < B * T1 * kKeep; k += NT) {
+      const int64_t tile_k = k / kKeep, q = k % kKeep, i = tile_k / T1;
+      if (q >= s_cnt[tile_k] || !certified(i)) continue;
+      const Entry en = gld(w.kept + r * B * T1 * kKeep + k);
+      const uint32_t key = sampled ? row_key(seed, static_cast<int>(i)) : 0u;
+      float lb, ub;
+      score_bounds(en.base, M, sampled, T, key, en.idx, &lb, &ub);
+      if (!(ub >= key_float(s_Lkey[i]))) continue;
+      const int pos = atomicAdd(s_nF + i, 1);
+      gst(w.fsets + (r * B + i) * T1 * kKeep + pos, en);
+      if (i < kTablePos && pos < kTableCap) {
+        s_tidx[i * kTableCap + pos] = en.idx;
+        s_tbase[i * kTableCap + pos] = en.base;
+        s_tg[i * kTableCap + pos] =
+            sampled ? gumbel_exact(token_hash(key, static_cast<uint32_t>(en.idx))) : 0.f;
       }
     }
+    __syncthreads();
   }
-  for (int task = warp; task < kTablePos * kTableCap * (kTableCap + 1); task += NW) {
-    const int i = task / (kTableCap * (kTableCap + 1));
-    const int a = (task / (kTableCap + 1)) % kTableCap;
-    const int k = task % (kTableCap + 1) - 1;  // -1: norm and confidence
-    if (i >= B || !tabled(i)) continue;
-    const int nprev = i == 0 ? 1 : s_nF[i - 1];
-    if (a >= nprev || k >= s_nF[i]) continue;
-    const int64_t prev = i == 0 ? anchor : s_tidx[(i - 1) * kTableCap + a];
-    const bool valid = prev >= 0 && prev < p.V;
-    double x = 0.0, y = 0.0;
-    if (valid) {
-      for (int64_t c = lane; c < p.rank; c += 32) {
-        const double ev = static_cast<double>(ldf(w1, prev * p.rank + c));
-        if (k < 0) {
-          x += ev * ev;
-          if (p.conf_w != nullptr) y += ev * static_cast<double>(gld(p.conf_w + c));
-        } else {
-          const int64_t j = s_tidx[i * kTableCap + k];
-          x += ev * static_cast<double>(ldf(w2, j * p.rank + c));
+
+  // ---- phase 2, pair tables: for small sets, every (previous candidate,
+  // candidate) dot product, the confidence and the norm check of every
+  // previous candidate. Also starts the walk's state.
+  __device__ __forceinline__ void pair_tables() {
+    // Rows the walk may need later (moderate sets): into L2 now, without
+    // waiting, so that its dependent loads hit L2 instead of DRAM.
+    {
+      const int64_t row_bytes = p.rank * static_cast<int64_t>(sizeof(TW));
+      for (int64_t i = 0; i < B; ++i) {
+        const int nF = s_nF[i];
+        if (nF > kPrefetchCap) continue;
+        for (int q = tid; q < 2 * nF; q += NT) {
+          const Entry en = gld(w.fsets + (r * B + i) * T1 * kKeep + q / 2);
+          dev::prefetch_l2((q & 1 ? w1 : w2) + static_cast<int64_t>(en.idx) * p.rank, row_bytes);
         }
       }
     }
-    x = warp_sum(x);
-    if (k < 0) y = warp_sum(y);  // k is warp-uniform
-    if (lane == 0) {
-      if (k < 0) {
-        s_pok[i * kTableCap + a] = sqrt(x) <= e_max ? 1 : 0;
-        s_pconf[i * kTableCap + a] =
-            p.conf_base != nullptr ? confidence(static_cast<double>(gld(p.conf_base + r * B + i)) + y)
-                                   : 1.0f;
-      } else {
-        s_pd[(i * kTableCap + a) * kTableCap + k] = static_cast<float>(x);
+    for (int task = warp; task < kTablePos * kTableCap * (kTableCap + 1); task += NW) {
+      const int i = task / (kTableCap * (kTableCap + 1));
+      const int a = (task / (kTableCap + 1)) % kTableCap;
+      const int k = task % (kTableCap + 1) - 1;  // -1: norm and confidence
+      if (i >= B || !tabled(i)) continue;
+      const int nprev = i == 0 ? 1 : s_nF[i - 1];
+      if (a >= nprev || k >= s_nF[i]) continue;
+      const int64_t prev = i == 0 ? anchor : s_tidx[(i - 1) * kTableCap + a];
+      const bool valid = prev >= 0 && prev < p.V;
+      double x = 0.0, y = 0.0;
+      if (valid) {
+        for (int64_t c = lane; c < p.rank; c += 32) {
+          const double ev = static_cast<double>(ldf(w1, prev * p.rank + c));
+          if (k < 0) {
+            x += ev * ev;
+            if (p.conf_w != nullptr) y += ev * static_cast<double>(gld(p.conf_w + c));
+          } else {
+            const int64_t j = s_tidx[i * kTableCap + k];
+            x += ev * static_cast<double>(ldf(w2, j * p.rank + c));
+          }
+        }
+      }
+      x = warp_sum(x);
+      if (k < 0) y = warp_sum(y);  // k is warp-uniform
+      if (lane == 0) {
+        if (k < 0) {
+          s_pok[i * kTableCap + a] = sqrt(x) <= e_max ? 1 : 0;
+          s_pconf[i * kTableCap + a] =
+              p.conf_base != nullptr ? confidence(static_cast<double>(gld(p.conf_base + r * B + i)) + y)
+                                     : 1.0f;
+        } else {
+          s_pd[(i * kTableCap + a) * kTableCap + k] = static_cast<float>(x);
+        }
       }
     }
+    if (tid == 0) {
+      s_prev[0] = anchor;
+      s_prev_a[0] = 0;  // the anchor is the one "previous candidate" of position 0
+      s_len[0] = 1;
+      s_len[1] = 0;
+    }
+    __syncthreads();
   }
-  if (tid == 0) {
-    s_prev[0] = anchor;
-    s_prev_a[0] = 0;  // the anchor is the one "previous candidate" of position 0
-    s_len[0] = 1;
-    s_len[1] = 0;
+
+  // ---- phase 3, the walk: positions in order, each from the tables, else
+  // from the certified set, else dense; then the draft length.
+  __device__ __forceinline__ void walk() {
+    int64_t i = 0;
+    while (true) {
+      i = walk_tables(i);
+      if (i >= B) break;
+      // ---- block-wide step for position i
+      const bool generic = certified(i);
+      double e_norm;
+      const float conf = prev_embedding(r * B + i, &e_norm);
+      if (!(generic && e_norm <= e_max && pruned(i, e_norm, conf))) dense(i, conf);
+      __syncthreads();
+      ++i;
+    }
+    if (tid == 0) {
+      gst(p.out_lengths + r, static_cast<int32_t>(s_len[1]));
+      __threadfence();
+      atomicAdd(walkers_done_word(w), 1);
+    }
   }
-  __syncthreads();
 
   // Writes position i's outputs (thread 0) and moves the walk on.
-  auto finish = [&](int64_t i, int64_t tok, int32_t stat, float c, int a) {
+  __device__ __forceinline__ void finish(int64_t i, int64_t tok, int32_t stat, float c, int a) {
     const int64_t row = r * B + i;
     if (tok < 0 || tok >= p.V) tok = 0;  // NaN policy: a row of only NaN proposes 0
     gst(p.out_tokens + row, static_cast<int64_t>(tok));
@@ -870,16 +944,11 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
     s_len[1] = s_len[1] + (alive ? 1 : 0);
     s_prev[0] = tok;
     s_prev_a[0] = a;
-  };
-  auto table_index = [&](int64_t i, int64_t tok) {
-    if (!in_table(i)) return -1;
-    for (int q = 0; q < s_nF[i]; ++q) if (s_tidx[i * kTableCap + q] == tok) return q;
-    return -1;
-  };
+  }
 
-  int64_t i = 0;
-  while (true) {
-    // Thread 0 walks every position it can from the pair tables alone.
+  // Thread 0 walks every position it can from the pair tables alone, from
+  // position i on; returns (to every thread) the first position it could not.
+  __device__ __forceinline__ int64_t walk_tables(int64_t i) {
     if (tid == 0) {
       while (i < B && tabled(i) && s_prev_a[0] >= 0) {
         const int a = s_prev_a[0];
@@ -905,18 +974,15 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
       s_ctl[3] = static_cast<int>(i);
     }
     __syncthreads();
-    i = s_ctl[3];
-    if (i >= B) break;
+    return s_ctl[3];
+  }
 
-    // ---- block-wide step for position i
-    const int64_t row = r * B + i;
+  // The previous token's embedding into s_e, its norm and row `row`'s
+  // confidence (CPU twin: draft_request's e64 and row_conf). Everything the
+  // step reads that does not depend on the candidates, in one round trip.
+  __device__ __forceinline__ float prev_embedding(int64_t row, double* e_norm) {
     const int64_t prev = s_prev[0];
     const bool valid = prev >= 0 && prev < p.V;
-    const int nF = s_nF[i];
-    const bool generic = certified(i);
-    const Entry* fset = w.fsets + row * T1 * kKeep;
-    // Everything this step reads that does not depend on the candidates is
-    // loaded in one round trip: e, its norm and confidence dot, conf_base, F_i.
     double en2 = 0.0, cd = 0.0;
     for (int64_t k = tid; k < p.rank; k += NT) {
       const float ev = valid ? ldf(w1, prev * p.rank + k) : 0.f;
@@ -925,131 +991,172 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
       if (p.conf_w != nullptr) cd += static_cast<double>(ev) * static_cast<double>(gld(p.conf_w + k));
     }
     const float cbase = p.conf_base != nullptr ? gld(p.conf_base + row) : 0.f;
-    block_sum2<NW>(en2, cd, scr_d);  // its barriers also publish s_e and the F_i copy
-    const float conf = p.conf_base != nullptr ? confidence(static_cast<double>(cbase) + cd) : 1.0f;
-    const double e_norm = sqrt(en2);
-    bool done = false;
-    if (generic && e_norm <= e_max) {
-      // Per-row bound with the real ||e||; exact scores for every candidate
-      // whose upper bound reaches the best lower bound.
-      const float M2 = bias_bound(w2_max, bound_scale(e_norm));
-      const uint32_t key = sampled ? row_key(seed, static_cast<int>(i)) : 0u;
-      // The set is streamed from the workspace (L2) twice rather than copied:
-      // it can hold up to T1 * kKeep tokens.
-      Best bl{neg_inf(), LLONG_MAX};  // best lower bound and its slot
-      for (int q = tid; q < nF; q += NT) {
-        const Entry en = gld(fset + q);
-        float lb, ub;
-        score_bounds(en.base, M2, sampled, T, key, en.idx, &lb, &ub);
-        if (better(lb, q, bl.s, bl.j)) bl = Best{lb, q};
-      }
-      bl = block_best<NW>(bl, scr_bs, scr_bj);
-      float mlb = bl.s;
-      if (nF > kStage1 && bl.j != LLONG_MAX) {
-        // Large set: the exact score of the best-lower-bound token first; only
-        // tokens whose upper bound reaches it can still win (as the CPU twin).
-        if (warp == 0) {
-          const Entry en = gld(fset + bl.j);
-          const int64_t j = en.idx;
-          double acc = 0.0;
-          for (int64_t k = lane; k < p.rank; k += 32) {
-            acc += static_cast<double>(ldf(w2, j * p.rank + k)) * static_cast<double>(s_e[k]);
-          }
-          acc = warp_sum(acc);
-          if (lane == 0) {
-            scr_f[0] = exact_score(add_rn(en.base, static_cast<float>(acc)), sampled, T, key, j);
-          }
-        }
-        __syncthreads();
-        const float s1 = scr_f[0];
-        if (s1 > mlb) mlb = s1;  // a NaN score keeps the lower bound
-        __syncthreads();  // scr_f is reused below
-      }
-      Best best{neg_inf(), LLONG_MAX};
-      int cnt = 0, nan = 0;
-      for (int q = warp; q < nF; q += NW) {
-        const Entry en = gld(fset + q);
-        float lb, ub;
-        score_bounds(en.base, M2, sampled, T, key, en.idx, &lb, &ub);
-        if (!(ub >= mlb)) continue;  // warp-uniform: every lane has the same entry
+    block_sum2<NW>(en2, cd, scr_d);  // its barriers also publish s_e
+    *e_norm = sqrt(en2);
+    return p.conf_base != nullptr ? confidence(static_cast<double>(cbase) + cd) : 1.0f;
+  }
+
+  // Position i from its certified set (block-uniform call, ||e|| within the
+  // bound): the per-row bound with the real ||e||, exact scores for every
+  // candidate whose upper bound reaches the best lower bound. False when a
+  // NaN score voids the certificate (the caller goes dense).
+  __device__ __forceinline__ bool pruned(int64_t i, double e_norm, float conf) {
+    const int64_t row = r * B + i;
+    const int nF = s_nF[i];
+    const Entry* fset = w.fsets + row * T1 * kKeep;
+    const float M2 = bias_bound(w2_max, bound_scale(e_norm));
+    const uint32_t key = sampled ? row_key(seed, static_cast<int>(i)) : 0u;
+    // The set is streamed from the workspace (L2) twice rather than copied:
+    // it can hold up to T1 * kKeep tokens.
+    Best bl{neg_inf(), LLONG_MAX};  // best lower bound and its slot
+    for (int q = tid; q < nF; q += NT) {
+      const Entry en = gld(fset + q);
+      float lb, ub;
+      score_bounds(en.base, M2, sampled, T, key, en.idx, &lb, &ub);
+      if (better(lb, q, bl.s, bl.j)) bl = Best{lb, q};
+    }
+    bl = block_best<NW>(bl, scr_bs, scr_bj);
+    float mlb = bl.s;
+    if (nF > kStage1 && bl.j != LLONG_MAX) {
+      // Large set: the exact score of the best-lower-bound token first; only
+      // tokens whose upper bound reaches it can still win (as the CPU twin).
+      if (warp == 0) {
+        const Entry en = gld(fset + bl.j);
         const int64_t j = en.idx;
         double acc = 0.0;
         for (int64_t k = lane; k < p.rank; k += 32) {
           acc += static_cast<double>(ldf(w2, j * p.rank + k)) * static_cast<double>(s_e[k]);
         }
         acc = warp_sum(acc);
-        const float sc = exact_score(add_rn(en.base, static_cast<float>(acc)), sampled, T, key, j);
-        nan |= sc != sc;
-        ++cnt;
-        if (better(sc, j, best.s, best.j)) best = Best{sc, j};
+        if (lane == 0) {
+          scr_f[0] = exact_score(add_rn(en.base, static_cast<float>(acc)), sampled, T, key, j);
+        }
       }
-      int flags = lane == 0 ? cnt + (nan << 20) : 0;
-      best = block_best_count<NW>(best, &flags, scr_bs, scr_bj, scr_i);
-      if ((flags >> 20) == 0 && best.j != LLONG_MAX) {
-        if (tid == 0) finish(i, best.j, flags & 0xfffff, conf, table_index(i, best.j));
-        done = true;
-      }
+      __syncthreads();
+      const float s1 = scr_f[0];
+      if (s1 > mlb) mlb = s1;  // a NaN score keeps the lower bound
+      __syncthreads();  // scr_f is reused below
     }
-    if (!done) {
-      // Not certified: the dense row, computed by every block that helps.
-      for (int64_t k = tid; k < p.rank; k += NT) gst(w.je + row * p.rank + k, static_cast<float>(s_e[k]));
-      __threadfence();
-      __syncthreads();
-      if (tid == 0) {
-        const int slot = atomicAdd(njobs_word(w), 1);
-        gst_volatile(job_rows(w) + slot, static_cast<int>(row + 1));
-        s_ctl[2] = slot;
+    Best best{neg_inf(), LLONG_MAX};
+    int cnt = 0, nan = 0;
+    for (int q = warp; q < nF; q += NW) {
+      const Entry en = gld(fset + q);
+      float lb, ub;
+      score_bounds(en.base, M2, sampled, T, key, en.idx, &lb, &ub);
+      if (!(ub >= mlb)) continue;  // warp-uniform: every lane has the same entry
+      const int64_t j = en.idx;
+      double acc = 0.0;
+      for (int64_t k = lane; k < p.rank; k += 32) {
+        acc += static_cast<double>(ldf(w2, j * p.rank + k)) * static_cast<double>(s_e[k]);
       }
-      __syncthreads();
-      const int slot = s_ctl[2];
-      int64_t cursor = (r * 131) % Td;
-      while (true) {
-        if (tid == 0) {
-          int found = -1, pending = 0;
-          for (int64_t u = cursor; u < cursor + Td; ++u) {
-            const int64_t t = u % Td;
-            if (gld_volatile(cov + t) > slot) continue;
-            pending = 1;
-            if (atomicCAS(lock + t, 0, 1) == 0) {
-              if (gld_volatile(cov + t) > slot) {
-                atomicExch(lock + t, 0);
-                continue;
-              }
-              found = static_cast<int>(t);
-              cursor = u + 1;
-              break;
-            }
-          }
-          s_ctl[0] = found;
-          s_ctl[1] = pending;
-        }
-        __syncthreads();
-        const int claim = s_ctl[0], pending = s_ctl[1];
-        __syncthreads();
-        if (claim >= 0) {
-          serve_tile<TW>(p, w, claim, s_range, scr_bs, scr_bj);
-        } else if (!pending) {
-          break;
-        } else {
-          __nanosleep(1000);
-        }
-      }
-      __threadfence();
-      Best best{neg_inf(), LLONG_MAX};
-      for (int64_t t = tid; t < Td; t += NT) {
-        best = best_of(best, Best{gld(w.jbest_s + row * Td + t), gld(w.jbest_j + row * Td + t)});
-      }
-      best = block_best<NW>(best, scr_bs, scr_bj);
-      if (tid == 0) finish(i, best.j, static_cast<int32_t>(p.V), conf, table_index(i, best.j));
+      acc = warp_sum(acc);
+      const float sc = exact_score(add_rn(en.base, static_cast<float>(acc)), sampled, T, key, j);
+      nan |= sc != sc;
+      ++cnt;
+      if (better(sc, j, best.s, best.j)) best = Best{sc, j};
+    }
+    int flags = lane == 0 ? cnt + (nan << 20) : 0;
+    best = block_best_count<NW>(best, &flags, scr_bs, scr_bj, scr_i);
+    if ((flags >> 20) == 0 && best.j != LLONG_MAX) {
+      if (tid == 0) finish(i, best.j, flags & 0xfffff, conf, table_index(i, best.j));
+      return true;
+    }
+    return false;
+  }
+
+  // ---- phase 4, dense fallback: position i not certified. The walker posts
+  // a job (s_e, published) and serves markov_w2 tiles with every block that
+  // helps, until every tile has served it; then picks from the tile bests.
+  __device__ __forceinline__ void dense(int64_t i, float conf) {
+    const int64_t row = r * B + i;
+    for (int64_t k = tid; k < p.rank; k += NT) gst(w.je + row * p.rank + k, static_cast<float>(s_e[k]));
+    __threadfence();
+    __syncthreads();
+    if (tid == 0) {
+      const int slot = atomicAdd(njobs_word(w), 1);
+      gst_volatile(job_rows(w) + slot, static_cast<int>(row + 1));
+      s_ctl[2] = slot;
     }
     __syncthreads();
-    ++i;
-  }
-  if (tid == 0) {
-    gst(p.out_lengths + r, static_cast<int32_t>(s_len[1]));
+    const int slot = s_ctl[2];
+    int64_t cursor = (r * 131) % Td;
+    while (true) {
+      if (tid == 0) {
+        int found = -1, pending = 0;
+        for (int64_t u = cursor; u < cursor + Td; ++u) {
+          const int64_t t = u % Td;
+          if (gld_volatile(cov + t) > slot) continue;
+          pending = 1;
+          if (atomicCAS(lock + t, 0, 1) == 0) {
+            if (gld_volatile(cov + t) > slot) {
+              atomicExch(lock + t, 0);
+              continue;
+            }
+            found = static_cast<int>(t);
+            cursor = u + 1;
+            break;
+          }
+        }
+        s_ctl[0] = found;
+        s_ctl[1] = pending;
+      }
+      __syncthreads();
+      const int claim = s_ctl[0], pending = s_ctl[1];
+      __syncthreads();
+      if (claim >= 0) {
+        serve_tile<TW>(p, w, claim, s_range, scr_bs, scr_bj);
+      } else if (!pending) {
+        break;
+      } else {
+        __nanosleep(1000);
+      }
+    }
     __threadfence();
-    atomicAdd(walkers_done_word(w), 1);
+    Best best{neg_inf(), LLONG_MAX};
+    for (int64_t t = tid; t < Td; t += NT) {
+      best = best_of(best, Best{gld(w.jbest_s + row * Td + t), gld(w.jbest_j + row * Td + t)});
+    }
+    best = block_best<NW>(best, scr_bs, scr_bj);
+    if (tid == 0) finish(i, best.j, static_cast<int32_t>(p.V), conf, table_index(i, best.j));
   }
+};
+
+template <typename TW>
+__global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams p, Workspace w) {
+  constexpr int NW = kWalkWarps;
+  DSPARK_SMEM_ARRAY(float, scr_f, NW);
+  DSPARK_SMEM_ARRAY(int, scr_i, NW);
+  DSPARK_SMEM_ARRAY(double, scr_d, 2 * NW);
+  DSPARK_SMEM_ARRAY(float, scr_bs, NW);
+  DSPARK_SMEM_ARRAY(long long, scr_bj, NW);
+  DSPARK_SMEM_ARRAY(int, s_range, 2);
+  DSPARK_SMEM_ARRAY(int, s_ctl, 4);
+  DSPARK_SMEM_ARRAY(long long, s_prev, 1);
+  DSPARK_SMEM_ARRAY(int, s_prev_a, 1);
+  DSPARK_SMEM_ARRAY(int, s_len, 2);
+  DSPARK_SMEM_ARRAY(int, s_Lkey, kMaxPrunedBlock);
+  DSPARK_SMEM_ARRAY(int, s_Dkey, kMaxPrunedBlock);
+  DSPARK_SMEM_ARRAY(int, s_nF, kMaxPrunedBlock);
+  DSPARK_SMEM_ARRAY(int, s_tidx, kTablePos * kTableCap);
+  DSPARK_SMEM_ARRAY(float, s_tbase, kTablePos * kTableCap);
+  DSPARK_SMEM_ARRAY(float, s_tg, kTablePos * kTableCap);
+  DSPARK_SMEM_ARRAY(float, s_pd, kTablePos * kTableCap * kTableCap);
+  DSPARK_SMEM_ARRAY(float, s_pconf, kTablePos * kTableCap);
+  DSPARK_SMEM_ARRAY(int, s_pok, kTablePos * kTableCap);
+  DSPARK_DYN_SMEM(dyn);
+  const WalkBlock blk{p, w, scr_f, scr_i, scr_d, scr_bs, scr_bj, s_range, s_ctl, s_prev,
+                      s_prev_a, s_len, s_Lkey, s_Dkey, s_nF, s_tidx, s_tbase, s_tg, s_pd,
+                      s_pconf, s_pok,
+                      dev::smem_cast<float>(dyn),                 // s_e   [rank]
+                      dev::smem_cast<int>(dyn + 4 * p.rank)};     // s_cnt [B * T1]
+  if (static_cast<int64_t>(blockIdx.x) >= p.R) {
+    blk.help<TW>();
+    return;
+  }
+  Walker<TW> walker(blk);
+  walker.merge();        // 1. certified candidate sets
+  walker.pair_tables();  // 2. pair tables of the small sets
+  walker.walk();         // 3. the positions in order (4. dense fallback inside)
 }
 
 // ------------------------------------------------------------ dense path

@@ -3,7 +3,8 @@
 # (sm_80, sm_90, sm_100, sm_120) so the CUDA kernels cannot rot on machines
 # without a GPU or a CUDA torch (CI runs this). Same half/bf16 flags as torch's
 # extension builds, warnings are errors, and the build fails when ptxas reports
-# a spill, a stack frame or local memory for any kernel (parsed from -Xptxas -v).
+# a spill, a stack frame or local memory for any kernel (parsed from -Xptxas -v);
+# it prints every kernel's registers per thread for each architecture.
 # The .cu files include no torch headers; the torch glue (csrc/*_cuda.cpp) is
 # built only by `pip install` with a CUDA torch.
 # Usage: scripts/compile_cuda.sh [extra nvcc flags...]; NVCC overrides the
@@ -63,7 +64,28 @@ for src in "${sources[@]}"; do
     status=1
   fi
   kernels="$(grep -c 'Compiling entry function' "$log" || true)"
-  echo "  ${kernels} kernel compilations, no spills or local memory"
+  if [ -z "$bad" ]; then echo "  ${kernels} kernel compilations, no spills or local memory"; fi
+  # Registers per thread of every kernel and architecture ("Used N registers"),
+  # demangled when c++filt is there.
+  demangle=cat
+  if command -v c++filt >/dev/null 2>&1; then demangle=c++filt; fi
+  echo "  registers per thread (sm_${archs// /, sm_}):"
+  sed -nE "s/.*Compiling entry function '([^']+)' for 'sm_([0-9]+)'.*/K \1 \2/p;
+           s/.*Used ([0-9]+) registers.*/R \1/p" "$log" \
+    | awk -v archs="$archs" '
+        $1 == "K" { k = $2; a = $3; if (!(k in seen)) { seen[k] = 1; order[n++] = k }; next }
+        $1 == "R" { regs[k, a] = $2 }
+        END {
+          na = split(archs, as, " ")
+          for (i = 0; i < n; i++) {
+            line = order[i] " "
+            for (j = 1; j <= na; j++) line = line " " ((order[i], as[j]) in regs ? regs[order[i], as[j]] : "-")
+            print line
+          }
+        }' \
+    | "$demangle" \
+    | sed -E 's/^void //; s/dspark::\(anonymous namespace\):://g; s/dspark:://g; s/\([^()]*\)//' \
+    | sort | awk '{ name = $1; $1 = ""; printf "    %-34s%s\n", name, $0 }'
 done
 if [ "$status" -ne 0 ]; then exit "$status"; fi
 echo "compiled ${#sources[@]} CUDA source(s) for sm_${archs// /, sm_}"

@@ -17,13 +17,21 @@ from vllm_dspark.ops import markov as M
 from vllm_dspark.ops.markov_reference import (
     gumbel_hash,
     gumbel_noise,
-    markov_draft_reference,
     markov_row_norms,
     mix32,
 )
 
-CONF_ATOL = 1e-6
-K3_VOCAB = 163840
+from .markov_cases import (
+    CONF_ATOL,
+    EXAMPLE_CONF,
+    K3_VOCAB,
+    assert_matches,
+    constant_conf_case,
+    make_case,
+    nan_case,
+    run_reference,
+    temperatures,
+)
 
 
 def test_compiled_op_is_loaded():
@@ -33,37 +41,6 @@ def test_compiled_op_is_loaded():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("vllm_dspark::markov_draft", "CPU")
 
 
-def make_case(R, B, V, rank, dtype=torch.float32, *, seed=0, base_std=1.0, w_std=0.05,
-              conf=True, conf_w=True, peaky=False):
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randn(R, B, V, generator=g) * base_std
-    if peaky:  # a trained-like row: a few tokens far above the rest
-        top = torch.randint(0, V, (R, B, 4), generator=g)
-        base.scatter_add_(2, top, 8.0 + 4.0 * torch.rand(R, B, 4, generator=g))
-    w1 = torch.randn(V, rank, generator=g) * w_std
-    w2 = torch.randn(V, rank, generator=g) * w_std
-    case = dict(
-        base_logits=base.to(dtype),
-        anchor_ids=torch.randint(0, V, (R,), generator=g),
-        markov_w1=w1.to(dtype),
-        markov_w2=w2.to(dtype),
-        conf_base=(torch.randn(R, B, generator=g) * 1.5 + 2.5) if conf else None,
-        conf_w_markov=(torch.randn(rank, generator=g) * 0.3) if (conf and conf_w) else None,
-        seeds=torch.randint(-2**62, 2**62, (R,), generator=g),
-    )
-    return case
-
-
-def temperatures(R, mode):
-    if mode == "greedy":
-        return torch.zeros(R)
-    if mode == "sampled":
-        return torch.linspace(0.6, 1.4, R) if R > 1 else torch.ones(1)
-    t = torch.ones(R)  # mixed: even requests greedy
-    t[::2] = 0.0
-    return t
-
-
 def run_op(case, temperature, threshold, **kw):
     out = M.markov_draft(
         case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
@@ -71,19 +48,6 @@ def run_op(case, temperature, threshold, **kw):
         temperature, case["seeds"], threshold, allow_fallback=False, return_stats=True, **kw)
     assert out.path == "compiled"
     return out
-
-
-def run_ref(case, temperature, threshold, **kw):
-    return markov_draft_reference(
-        case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
-        case["conf_base"], case["conf_w_markov"], temperature, case["seeds"], threshold, **kw)
-
-
-def assert_matches(out, ref):
-    tokens, conf, lengths = ref[:3]
-    assert torch.equal(out.tokens, tokens), (out.tokens, tokens)
-    torch.testing.assert_close(out.conf, conf, atol=CONF_ATOL, rtol=0)
-    assert torch.equal(out.lengths, lengths), (out.lengths, lengths)
 
 
 SMALL_SHAPES = [  # (R, B, V, rank)
@@ -104,7 +68,7 @@ def test_op_matches_reference_small(shape, dtype, mode, threshold):
     case = make_case(R, B, V, rank, dtype, seed=hash((shape, mode)) % 1000)
     temp = temperatures(R, mode)
     out = run_op(case, temp, threshold)
-    assert_matches(out, run_ref(case, temp, threshold))
+    assert_matches(out, run_reference(case, temp, threshold))
     if threshold == 0.0:
         assert bool((out.lengths == B).all())
 
@@ -117,7 +81,7 @@ def test_op_matches_reference_k3_vocab(dtype, mode, peaky):
     case = make_case(R, 7, K3_VOCAB, 256, dtype, seed=11, peaky=peaky)
     temp = temperatures(R, mode)
     out = run_op(case, temp, 0.5)
-    assert_matches(out, run_ref(case, temp, 0.5))
+    assert_matches(out, run_reference(case, temp, 0.5))
     # The pruning really prunes on these regimes.
     assert int(out.stats.max()) < K3_VOCAB // 100, out.stats
 
@@ -131,13 +95,13 @@ def test_op_other_dtype_pairs(base_dtype, w_dtype):
     case["markov_w1"] = case["markov_w1"].to(w_dtype)
     case["markov_w2"] = case["markov_w2"].to(w_dtype)
     temp = temperatures(3, "mixed")
-    assert_matches(run_op(case, temp, 0.5), run_ref(case, temp, 0.5))
+    assert_matches(run_op(case, temp, 0.5), run_reference(case, temp, 0.5))
 
 
 def test_op_matches_reference_k3_vocab_rank1():
     case = make_case(3, 7, K3_VOCAB, 1, seed=5)
     temp = temperatures(3, "mixed")
-    assert_matches(run_op(case, temp, 0.99), run_ref(case, temp, 0.99))
+    assert_matches(run_op(case, temp, 0.99), run_reference(case, temp, 0.99))
 
 
 def test_empty_draft_is_allowed():
@@ -145,7 +109,7 @@ def test_empty_draft_is_allowed():
     case["conf_base"] = torch.full((3, 7), -4.0)  # conf ~ 0.02 < threshold
     case["conf_base"][1] = 6.0
     out = run_op(case, torch.zeros(3), 0.5)
-    assert_matches(out, run_ref(case, torch.zeros(3), 0.5))
+    assert_matches(out, run_reference(case, torch.zeros(3), 0.5))
     assert out.lengths.tolist()[0] == 0 and out.lengths.tolist()[2] == 0
     assert out.lengths.tolist()[1] > 0
 
@@ -155,7 +119,7 @@ def test_no_confidence_head_fills_ones():
     out = run_op(case, torch.zeros(2), 0.99)
     assert torch.equal(out.conf, torch.ones(2, 7))
     assert out.lengths.tolist() == [7, 7]
-    assert_matches(out, run_ref(case, torch.zeros(2), 0.99))
+    assert_matches(out, run_reference(case, torch.zeros(2), 0.99))
 
 
 # --- adversarial pruning cases ---------------------------------------------------
@@ -165,7 +129,7 @@ def test_markov_bias_outweighs_base(mode):
     # Bias std ~ 16 x the base std: the bound is loose, pruning must stay exact.
     case = make_case(3, 7, 3000, 64, seed=3, base_std=0.05, w_std=0.5)
     temp = temperatures(3, mode)
-    assert_matches(run_op(case, temp, 0.5), run_ref(case, temp, 0.5))
+    assert_matches(run_op(case, temp, 0.5), run_reference(case, temp, 0.5))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
@@ -185,7 +149,7 @@ def test_bias_at_the_cauchy_schwarz_bound(mode):
     # 777 wins by ~2 ulp, and only because its bias reaches the bound exactly.
     base[:, :, 777] = 5.0 - 2.0 * v.norm() + 1e-6
     temp = temperatures(R, mode)
-    assert_matches(run_op(case, temp, 0.0), run_ref(case, temp, 0.0))
+    assert_matches(run_op(case, temp, 0.0), run_reference(case, temp, 0.0))
 
 
 def test_ties_go_to_the_lowest_token():
@@ -196,7 +160,7 @@ def test_ties_go_to_the_lowest_token():
         base[:, :, j] = 10.0
         w2[j] = w2[40]
     out = run_op(case, torch.zeros(2), 0.0)
-    assert_matches(out, run_ref(case, torch.zeros(2), 0.0))
+    assert_matches(out, run_reference(case, torch.zeros(2), 0.0))
     assert bool((out.tokens == 40).all())
 
 
@@ -208,7 +172,7 @@ def test_all_equal_base_forces_dense_fallback(mode):
     case["markov_w2"].zero_()  # every token ties exactly
     temp = temperatures(2, mode)
     out = run_op(case, temp, 0.0)
-    assert_matches(out, run_ref(case, temp, 0.0))
+    assert_matches(out, run_reference(case, temp, 0.0))
     if mode == "greedy":
         assert bool((out.tokens == 0).all())
         assert bool((out.stats == V).all()), out.stats  # every row went dense
@@ -226,7 +190,7 @@ def test_minus_inf_entries(mode, dtype):
     base[1, :, :4000] = float("-inf")  # a masked prefix longer than the candidate cap
     temp = temperatures(3, mode)
     out = run_op(case, temp, 0.5)
-    assert_matches(out, run_ref(case, temp, 0.5))
+    assert_matches(out, run_reference(case, temp, 0.5))
     assert out.tokens[0, 2].item() == 0
 
 
@@ -235,7 +199,7 @@ def test_out_logits_takes_the_dense_path(mode):
     case = make_case(3, 7, 777, 32, torch.bfloat16, seed=10)
     temp = temperatures(3, mode)
     out = run_op(case, temp, 0.5, return_logits=True)
-    ref = run_ref(case, temp, 0.5, return_logits=True)
+    ref = run_reference(case, temp, 0.5, return_logits=True)
     assert_matches(out, ref)
     torch.testing.assert_close(out.logits, ref[3], atol=1e-6, rtol=1e-6)
     assert bool((out.stats == 777).all())
@@ -250,7 +214,7 @@ def test_out_logits_with_all_equal_logits(mode):
     case["markov_w2"].zero_()
     temp = temperatures(2, mode)
     out = run_op(case, temp, 0.0, return_logits=True)
-    ref = run_ref(case, temp, 0.0, return_logits=True)
+    ref = run_reference(case, temp, 0.0, return_logits=True)
     assert_matches(out, ref)
     assert torch.equal(out.logits, ref[3])
 
@@ -284,7 +248,7 @@ def test_out_of_range_anchor_has_no_markov_embedding(mode):
     case["anchor_ids"] = torch.tensor([300, -1, 7, 2**40])
     temp = temperatures(4, mode)
     out = run_op(case, temp, 0.5)
-    ref = run_ref(case, temp, 0.5)
+    ref = run_reference(case, temp, 0.5)
     assert_matches(out, ref)
     # Position 0 of an invalid anchor: bias 0 and conf = sigmoid(conf_base).
     expect0 = torch.sigmoid(case["conf_base"][[0, 1, 3], 0].double()).float()
@@ -296,21 +260,10 @@ def test_out_of_range_anchor_has_no_markov_embedding(mode):
 
 # --- draft length rule (DSpark's _confident_prefix_length) --------------------
 
-EXAMPLE_CONF = [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]
-
-
-def _constant_conf_case(confs):
-    B = len(confs)
-    case = make_case(1, B, 111, 8, seed=21, conf_w=False)
-    c = torch.tensor(confs, dtype=torch.float64)
-    case["conf_base"] = torch.log(c / (1 - c)).float()[None, :]
-    return case
-
-
 @pytest.mark.parametrize("impl", ["reference", "compiled"])
 def test_length_stops_before_first_low_confidence(impl):
-    case = _constant_conf_case(EXAMPLE_CONF)
-    run = run_ref if impl == "reference" else run_op
+    case = constant_conf_case(EXAMPLE_CONF)
+    run = run_reference if impl == "reference" else run_op
     out = run(case, torch.zeros(1), 0.8)
     conf, lengths = out[1], out[2]
     torch.testing.assert_close(conf[0], torch.tensor(EXAMPLE_CONF), atol=1e-6, rtol=0)
@@ -324,35 +277,20 @@ def test_length_stops_before_first_low_confidence(impl):
 
 
 def test_length_ignores_later_recoveries():
-    case = _constant_conf_case([0.9, 0.3, 0.99, 0.99])
-    for run in (run_ref, run_op):
+    case = constant_conf_case([0.9, 0.3, 0.99, 0.99])
+    for run in (run_reference, run_op):
         assert run(case, torch.zeros(1), 0.5)[2].tolist() == [1]
 
 
 # --- NaN policy: NaN ranks below -inf; a row of only NaN proposes token 0 -------
 
-def _nan_case(dtype):
-    V = 500
-    case = make_case(4, 3, V, 16, dtype, seed=22)
-    base = case["base_logits"]
-    base[0, 0, 17] = float("nan")            # one NaN among finite logits
-    base[0, 1, :] = float("nan")             # all NaN -> token 0
-    base[1, 0, :] = float("-inf")
-    base[1, 0, :3] = float("nan")            # NaN before the -infs -> token 3
-    base[1, 1, ::2] = float("nan")           # half NaN, half finite
-    base[2, :, 0] = float("nan")
-    base[2, :, 1:] = 0.25                    # NaN at 0, ties elsewhere -> token 1
-    case["markov_w2"][:] = 0
-    return case
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
 @pytest.mark.parametrize("with_logits", [False, True], ids=["pruned", "dense"])
 def test_nan_policy(dtype, mode, with_logits):
-    case = _nan_case(dtype)
+    case = nan_case(dtype)
     temp = temperatures(4, mode)
-    ref = run_ref(case, temp, 0.5)
+    ref = run_reference(case, temp, 0.5)
     out = run_op(case, temp, 0.5, return_logits=with_logits)
     assert_matches(out, ref)
     assert out.tokens[0, 1].item() == 0

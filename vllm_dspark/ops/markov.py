@@ -112,7 +112,9 @@ Checked by
     and a divergent barrier are caught. ``tests/ops/test_markov_cuda_compile.py``
     compiles the CUDA sources for sm_80/90/100/120 without spills and checks that
     a fast-math build stops. ``tests/ops/test_markov_cuda.py`` (GPU only) checks
-    the CUDA op against the reference and an upstream-style dense loop.
+    the CUDA op against the reference and an upstream-style dense loop; its
+    checks live in ``tests/ops/markov_cases.py``, which ``scripts/gpu_check.py``
+    runs without pytest or vLLM on a GPU machine (build, checks, K3 timings).
 """
 
 from __future__ import annotations
