@@ -51,7 +51,7 @@ fi
 build_hash=$( (cat "$ROOT/setup.py"; find "$ROOT/csrc" -type f -print0 | sort -z | xargs -0 cat) \
   | sha256sum | cut -d' ' -f1)
 stamp="$VENV/.vllm_dspark_build"
-if [ "$(cat "$stamp" 2>/dev/null)" != "$build_hash" ] || ! "$VPY" -c "import vllm_dspark._C" 2>/dev/null; then
+if [ "$(cat "$stamp" 2>/dev/null)" != "$build_hash" ] || ! "$VPY" -c "import torch, vllm_dspark._C" 2>/dev/null; then
   log "installing vllm_dspark (editable; builds the compiled op)"
   rm -f "$stamp"
   "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[cpu,test,bench,train,ray,dev]" 2>&1 \

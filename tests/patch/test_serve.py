@@ -1,29 +1,27 @@
-"""``vllm serve`` with the plugin on CPU: OpenAI completions (streaming too) and /metrics."""
+"""``vllm serve`` with the plugin on CPU: OpenAI completions (streaming too), /metrics, the API key,
+one-line start-up errors, and the README's ``vllm serve`` line started as written on the default pair."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import default_pair_dirs, free_port, readme_command
 from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VLLM = str(Path(sys.executable).with_name("vllm"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+API_KEY = "test-key-0123456789"  # the shared server requires it on every /v1 request
 
 
 @pytest.fixture(scope="module")
@@ -43,21 +41,19 @@ def _serve_cmd(target, draft, port, extra=()):
             "--speculative-config", spec, *extra]
 
 
-@pytest.fixture(scope="module")
-def server(pair):
-    target, draft, root = pair
-    port = _free_port()
-    log = open(root / "serve.log", "w")  # noqa: SIM115 (the server outlives this function)
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    proc = subprocess.Popen(_serve_cmd(target, draft, port), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
+@contextlib.contextmanager
+def serving(cmd, log_path: Path, env: dict[str, str], timeout: float = 300):
+    """Start ``cmd`` (a ``vllm serve`` on 127.0.0.1:``--port``), yield its base URL once /health answers."""
+    port = cmd[cmd.index("--port") + 1]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1", "tests serve on loopback only"
+    log = open(log_path, "w")  # noqa: SIM115 (the server outlives this function)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + timeout
     try:
         while True:
             if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n"
-                                     + (root / "serve.log").read_text()[-4000:])
+                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
             try:
                 with urllib.request.urlopen(base + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -65,10 +61,10 @@ def server(pair):
             except OSError:
                 pass
             if time.monotonic() > deadline:
-                raise AssertionError("vllm serve did not become healthy in 300 s:\n"
-                                     + (root / "serve.log").read_text()[-4000:])
+                raise AssertionError(f"vllm serve did not become healthy in {timeout:.0f} s:\n"
+                                     + log_path.read_text()[-4000:])
             time.sleep(2)
-        yield base, str(target)
+        yield base
     finally:
         os.killpg(proc.pid, 15)
         try:
@@ -78,11 +74,34 @@ def server(pair):
         log.close()
 
 
+@pytest.fixture(scope="module")
+def server(pair):
+    """The module's one tiny-pair server, with an API key."""
+    target, draft, root = pair
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    env.pop("VLLM_API_KEY", None)
+    cmd = _serve_cmd(target, draft, free_port(), extra=("--api-key", API_KEY))
+    with serving(cmd, root / "serve.log", env) as base:
+        yield base, str(target)
+
+
+def _post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
 def test_completions_and_streaming(server):
     from openai import OpenAI
 
     base, model = server
-    client = OpenAI(base_url=base + "/v1", api_key="none")
+    client = OpenAI(base_url=base + "/v1", api_key=API_KEY)
     full = client.completions.create(model=model, prompt="def main(", max_tokens=24, temperature=0)
     text = full.choices[0].text
     assert full.usage.completion_tokens == 24
@@ -104,13 +123,67 @@ def test_metrics_show_spec_decode_counters(server):
     assert values.get("vllm:spec_decode_num_accepted_tokens_total", 0) > 0, values
 
 
+def test_the_api_key_is_required(server):
+    base, model = server
+    body = {"model": model, "prompt": "def main(", "max_tokens": 4, "temperature": 0}
+    for key in (None, "wrong-key"):
+        status, reply = _post(base + "/v1/completions", body, key)
+        assert status == 401, (key, status, reply)
+        req = urllib.request.Request(base + "/v1/models", headers={"Authorization": f"Bearer {key}"} if key else {})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=10)
+        assert info.value.code == 401
+    status, reply = _post(base + "/v1/completions", body, API_KEY)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+
+
 def test_bad_draft_fails_with_one_message(pair, tmp_path):
     target, draft, root = pair
     bad = tmp_path / "bad"
     shutil.copytree(draft, bad)
     (bad / "model.safetensors").unlink()
-    res = subprocess.run(_serve_cmd(target, bad, _free_port()), capture_output=True, text=True, timeout=120,
+    res = subprocess.run(_serve_cmd(target, bad, free_port()), capture_output=True, text=True, timeout=120,
                          env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"))
     assert res.returncode != 0
     assert "vllm_dspark: DSpark draft" in res.stderr and "model.safetensors: missing" in res.stderr
     assert "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_memory_that_cannot_be_had_fails_with_one_line_naming_the_setting(pair):
+    """vLLM's CPU worker would refuse --gpu-memory-utilization 1.0 with a traceback per process; the
+    plugin refuses it while the config is built, in one line, before any engine process starts."""
+    target, draft, _ = pair
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    res = subprocess.run(_serve_cmd(target, draft, free_port(), extra=("--gpu-memory-utilization", "1.0")),
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode != 0
+    lines = [line for line in res.stderr.splitlines() if line.startswith("vllm_dspark: ")]
+    assert len(lines) == 1 and "--gpu-memory-utilization 1.0 reserves" in lines[0], res.stderr[-3000:]
+    assert "VLLM_CPU_KVCACHE_SPACE" in lines[0]
+    out = res.stdout + res.stderr
+    assert "Traceback" not in out and "EngineCore" not in out, out[-3000:]
+
+
+# ---------------------------------------------------------------- the README's line, as written
+@pytest.fixture(scope="module")
+def default_pair():
+    return default_pair_dirs()
+
+
+def test_the_readme_serve_line_starts_as_written(default_pair, tmp_path):
+    """README.md's ``vllm serve TARGET --speculative-config '...'`` on the default pair, with nothing
+    added but a loopback address (the tests bind nothing else) and no VLLM_CPU_KVCACHE_SPACE: the
+    plugin's KV-cache default must make it start on a machine like this one."""
+    cmd = readme_command("vllm", "serve", placeholders={"TARGET": default_pair["target"],
+                                                         "DRAFT_DIR": default_pair["draft"]})
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec["method"] == "dspark" and spec["model"] == default_pair["draft"]
+    cmd = [VLLM, *cmd[1:], "--host", "127.0.0.1", "--port", str(free_port())]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY")}
+    log_path = tmp_path / "readme_serve.log"
+    with serving(cmd, log_path, env, timeout=900) as base:
+        status, reply = _post(base + "/v1/completions", {"model": default_pair["target"], "prompt": "The capital "
+                              "of France is", "max_tokens": 8, "temperature": 0}, None)
+        assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+    log = log_path.read_text()
+    assert "vllm_dspark: CPU KV cache:" in log and "VLLM_CPU_KVCACHE_SPACE is unset" in log

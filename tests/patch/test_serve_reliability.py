@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import free_port
 from vllm_dspark.testing.tiny import bigram_chain, drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
@@ -35,14 +36,6 @@ VLLM = str(Path(sys.executable).with_name("vllm"))
 VOCAB = 384
 MAX_MODEL_LEN = 512
 MAX_SEQS = 8
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def pair(tmp_path_factory):
 def server(pair):
     import httpx
 
-    port = _free_port()
+    port = free_port()
     spec = json.dumps({"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 6})
     cmd = [VLLM, "serve", pair["target"], "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", str(MAX_SEQS),

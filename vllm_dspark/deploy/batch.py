@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -420,6 +421,14 @@ def build_parser():
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
+    mem = p.add_mutually_exclusive_group()
+    mem.add_argument("--kv-cache-gib", type=float, default=None,
+                     help="KV cache per worker, in GiB (overrides VLLM_CPU_KVCACHE_SPACE). Default on CPU: "
+                          "VLLM_CPU_KVCACHE_SPACE if set, else min(4 GiB, a quarter of the available memory); "
+                          "on GPUs: vLLM's --gpu-memory-utilization rule")
+    mem.add_argument("--gpu-memory-utilization", type=float, default=None,
+                     help="vLLM's share of device memory per worker (on CPU: of the NUMA node's memory; "
+                          "overrides VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-in-flight", type=int, default=256,
@@ -438,7 +447,57 @@ def llm_kwargs_from(args) -> dict:
         kw["max_model_len"] = args.max_model_len
     if args.max_num_seqs:
         kw["max_num_seqs"] = args.max_num_seqs
+    if args.kv_cache_gib is not None:
+        kw["kv_cache_memory_bytes"] = int(args.kv_cache_gib * (1 << 30))
+    if args.gpu_memory_utilization is not None:
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kw
+
+
+MEMORY_ENV = "VLLM_CPU_KVCACHE_SPACE"
+
+
+def memory_flags_win(args, environ: dict | None = None) -> str | None:
+    """--kv-cache-gib / --gpu-memory-utilization win over VLLM_CPU_KVCACHE_SPACE (which vLLM would let win).
+
+    Removes the variable from ``environ`` (default: this process's, which replicas inherit) and
+    returns a note saying so, or None.
+    """
+    env = os.environ if environ is None else environ
+    flag = ("--kv-cache-gib" if args.kv_cache_gib is not None
+            else "--gpu-memory-utilization" if args.gpu_memory_utilization is not None else None)
+    if flag is None or env.get(MEMORY_ENV, "") == "":
+        return None
+    value = env.pop(MEMORY_ENV)
+    return f"{flag} is given, so {MEMORY_ENV}={value} from the environment is ignored"
+
+
+def startup_error(exc: BaseException) -> str | None:
+    """One line for an engine that would not start: our own start-up errors, and vLLM's memory refusal.
+
+    None for anything else (the caller re-raises: a traceback is the useful report there).
+    """
+    from vllm_dspark.plugin import _dspark_error
+    from vllm_dspark.serving.memory import is_memory_error
+
+    ours = _dspark_error(exc)
+    if ours is not None:
+        # This script's flag for vLLM's --kv-cache-memory-bytes is --kv-cache-gib.
+        return re.sub(r"--kv-cache-memory-bytes (\d+)", lambda m: f"--kv-cache-gib {int(m[1]) / (1 << 30):g}",
+                      str(ours))
+    chain: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in chain:
+        if is_memory_error(e):
+            return (f"vLLM refused to start for memory: {str(e).splitlines()[0]} Change --kv-cache-gib "
+                    f"(or {MEMORY_ENV}) or --gpu-memory-utilization")
+    if "Engine core initialization failed" in str(exc):
+        return ("the vLLM engine failed to start; its error is logged above. If it is about memory, pass a "
+                f"smaller --kv-cache-gib (or set {MEMORY_ENV}=<GiB>)")
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -471,6 +530,9 @@ def main(argv: list[str] | None = None) -> int:
     sampling = SamplingDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 seed=args.seed, ignore_eos=args.ignore_eos)
     kw = llm_kwargs_from(args)
+    note = memory_flags_win(args)
+    if note:
+        err(note)
     try:  # before the engine starts: an unwritable output should not cost a model load
         writer = ResultWriter(args.output)
     except BatchOutputError as exc:
@@ -482,7 +544,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.data_parallel <= 1:
                 from vllm import LLM
 
-                llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
+                try:
+                    llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
+                except Exception as exc:
+                    line = startup_error(exc)
+                    if line is None:
+                        raise
+                    err(line)
+                    return 2
             pbar = _progress(len(records), finished, "prompts")
             try:
                 if llm is None:

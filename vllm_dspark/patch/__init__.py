@@ -6,6 +6,7 @@ Importing a patch module registers it; ``registry.apply_all`` applies them.
 from vllm_dspark.patch import (  # noqa: F401  (registration)
     config_speculative,
     engine_arg_utils,
+    platforms_cpu,
     v1_sample_rejection_sampler,
     worker_cpu_worker,
     worker_gpu_model_runner,
