@@ -87,6 +87,28 @@ def test_cost_model_interpolates_extrapolates_and_stays_monotone():
     assert m.draft_time(5) == pytest.approx(0.01)
 
 
+def test_a_profile_the_corrections_keep_disowning_is_stale():
+    m = B.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
+    for _ in range(200):  # noise around the profile never makes it stale
+        m.observe_verify(1, 0.1 * float(np.random.default_rng(len(str(_))).uniform(0.7, 1.4)))
+    assert not m.stale
+    while m.far_verify == 0:  # steps take a third of the profiled time (it was taken on a busy machine)
+        m.observe_verify(1, 0.033)
+    for _ in range(8):
+        m.observe_verify(1, 0.033)
+    assert m.scale_verify < 0.5 and m.far_verify == 9 and not m.stale
+    m.observe_verify(1, 0.033)
+    assert m.stale
+    scale = m.scale_verify
+    m.rebase()  # the corrections folded into the curves
+    assert not m.stale and m.scale_verify == 1.0 and m.rebased == 1
+    assert m.verify_time(1) == pytest.approx(0.1 * scale) and m.verify_time(100) == pytest.approx(0.2 * scale)
+    m2 = B.CostModel(verify=[(1, 0.1)], draft=[(1, 0.01)], ema=0.5, patience=3)
+    for _ in range(3):
+        m2.observe_draft(1, 0.1)  # the drafter is 10x slower than profiled
+    assert m2.stale
+
+
 def test_online_corrections_follow_observed_times_but_clamp_outliers():
     m = B.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5)
     m.observe_verify(10, 0.2)
@@ -292,3 +314,16 @@ def test_probes_rotate_over_the_requests_within_their_caps():
     pol.feedback("probe", [([0.9] * 7, k, 0, False) for k in (2, 2, 1, 2)])
     assert pol.plan(caps, sampled) == B.SKIP and pol.period == 2  # rejected: the wait doubled
     assert B.Plan.from_wire(plan.to_wire()) == plan
+
+
+def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
+    from vllm_dspark.spec_decode import profile as P
+
+    cached = B.CostModel(verify=[(1, 0.001), (8, 0.002)], draft=[(1, 0.0005), (4, 0.001)])
+    assert P.judge_spot_check(cached, {"verify_1": 0.0012, "draft_1": 0.0004}) is None
+    why = P.judge_spot_check(cached, {"verify_1": 0.0004, "draft_1": 0.0005})  # 2.5x faster than cached
+    assert why and "verify_1" in why
+    assert P.judge_spot_check(cached, {"verify_1": 0.001, "draft_1": 0.0011})  # the drafter 2.2x slower
+    f = tmp_path / "c.json"
+    f.write_text("{}")
+    assert P.drop_cached(f) and not f.exists() and not P.drop_cached(f) and not P.drop_cached(None)

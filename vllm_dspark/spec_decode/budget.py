@@ -21,7 +21,8 @@ decides, every step:
   drafter's block forward (only its context KV is kept up to date).
 
 Costs come from a start-up profile (:class:`CostModel`, cached on disk) and
-are corrected online by the step times actually observed.
+are corrected online by the step times actually observed; a profile the
+corrections keep disowning is stale (:attr:`CostModel.stale`).
 
 Nothing the confidence head says is trusted before it is measured
 (:class:`Calibrator`): the acceptance prior is pessimistic (10% per position,
@@ -62,6 +63,13 @@ class CostModel:
     the time is interpolated linearly, beyond the last point extrapolated from
     the last two (the machine stays compute-bound). ``scale_verify`` and
     ``scale_draft`` are online corrections (EMAs of observed / predicted).
+
+    A correction that stays outside ``[1/drift, drift]`` for ``patience``
+    observations in a row means the curves no longer describe this machine (a
+    profile taken while the machine was busy, or cached from another state of
+    it): :attr:`stale` turns true. The proposer then drops the cached profile,
+    so the next start profiles again, and :meth:`rebase` folds the corrections
+    into the curves.
     """
 
     verify: list[tuple[int, float]]
@@ -70,6 +78,12 @@ class CostModel:
     scale_draft: float = 1.0
     ema: float = 0.05
     source: str = "profile"
+    drift: float = 2.0
+    patience: int = 100
+    far_verify: int = 0  # consecutive observations with scale_verify outside [1/drift, drift]
+    far_draft: int = 0
+    rebased: int = 0  # how many times rebase() folded the corrections in
+    cache_path: str | None = None  # where this model is cached (None: nowhere)
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
@@ -83,13 +97,30 @@ class CostModel:
     def draft_time(self, requests: int) -> float:
         return float(self.scale_draft * _interp(self.draft, requests))
 
+    def _far(self, scale: float) -> bool:
+        return not (1.0 / self.drift <= scale <= self.drift)
+
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.scale_verify = _ema(self.scale_verify, seconds / max(1e-9, float(_interp(self.verify, tokens))),
                                  self.ema)
+        self.far_verify = self.far_verify + 1 if self._far(self.scale_verify) else 0
 
     def observe_draft(self, requests: int, seconds: float) -> None:
         self.scale_draft = _ema(self.scale_draft, seconds / max(1e-9, float(_interp(self.draft, requests))),
                                 self.ema)
+        self.far_draft = self.far_draft + 1 if self._far(self.scale_draft) else 0
+
+    @property
+    def stale(self) -> bool:
+        return max(self.far_verify, self.far_draft) >= self.patience
+
+    def rebase(self) -> None:
+        """Fold the online corrections into the curves (after a stale profile was detected)."""
+        self.verify = [(n, t * self.scale_verify) for n, t in self.verify]
+        self.draft = [(n, t * self.scale_draft) for n, t in self.draft]
+        self.scale_verify = self.scale_draft = 1.0
+        self.far_verify = self.far_draft = 0
+        self.rebased += 1
 
     def to_dict(self) -> dict:
         return {"verify": [list(p) for p in self.verify], "draft": [list(p) for p in self.draft],

@@ -83,6 +83,7 @@ class DSparkProposer(DFlashProposer):
         if s.costs is not None:
             self.costs = B.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
             self.policy.costs = self.costs
+        self.profile_info: dict | None = None
         self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
         self._prev_kind = "skip"  # the plan of the step whose drafts _prev holds
         self._last_end: float | None = None
@@ -248,6 +249,7 @@ class DSparkProposer(DFlashProposer):
         if self.costs is not None and plan.mode == "draft":
             # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
             self.costs.observe_draft(batch, end - t2)
+            self._check_stale()
         self._last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept)]
@@ -281,6 +283,7 @@ class DSparkProposer(DFlashProposer):
         if self.costs is not None and self._last_end is not None and cad.max_query_len <= self.block + 1:
             # Decode-only steps: the interval is the target's verify step (prefill chunks would skew it).
             self.costs.observe_verify(int(cad.num_actual_tokens), t0 - self._last_end)
+            self._check_stale()
         if not self._prev:
             return
         rej = num_rejected.tolist() if num_rejected is not None else None
@@ -299,6 +302,24 @@ class DSparkProposer(DFlashProposer):
         self.policy.feedback(self._prev_kind, results)
         if records:
             self._write_trace(records)
+
+    def _check_stale(self) -> None:
+        """A profile the online corrections keep disowning: drop its cache entry, fold the corrections in."""
+        costs = self.costs
+        if costs is None or not costs.stale:
+            return
+        from vllm_dspark.spec_decode.profile import drop_cached
+
+        dropped = drop_cached(costs.cache_path)
+        logger.warning(
+            "vllm_dspark: the budget's cost profile (%s) no longer matches this machine: measured steps took "
+            "%.2fx (verify) and %.2fx (draft) its times for %d steps in a row. %s; the measured corrections are "
+            "folded into the cost model.", costs.source, costs.scale_verify, costs.scale_draft,
+            max(costs.far_verify, costs.far_draft),
+            f"Dropped the cached profile {costs.cache_path}, so the next start profiles again" if dropped
+            else "Nothing cached to drop")
+        costs.cache_path = None
+        costs.rebase()
 
     def _sequential_stage(self, rows, anchors, sampling_metadata, req_rows: list[int], n: int,
                           sampled: np.ndarray, cad):
@@ -402,9 +423,10 @@ class DSparkProposer(DFlashProposer):
         return {"stats": self.stats.as_dict(), "calibration": self.calibrator.table(),
                 "timings_s": dict(self.timings),
                 "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
-                                                 "scale_draft": c.scale_draft},
+                                                 "scale_draft": c.scale_draft, "rebased": c.rebased,
+                                                 "cache_path": c.cache_path},
                 "policy": self.policy.report(),
-                "settings": self.settings.to_dict()}
+                "profile": self.profile_info, "settings": self.settings.to_dict()}
 
 
 def _replace(s: DSparkSettings, **kw) -> DSparkSettings:
