@@ -28,14 +28,21 @@ pytestmark = pytest.mark.engine
 NEVER_PAYS = {"verify": [[1, 0.01], [512, 5.12]], "draft": [[1, 1.0], [64, 1.0]]}
 
 
-def _run(pair, prompts, dspark, env=None):
+def _run(pair, prompts, dspark, env=None, sampled_too=False):
     from vllm import SamplingParams
 
     spec = {"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 7, "dspark": dspark}
     with llm_engine(pair["target"], speculative_config=spec, env=env or {}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        return [list(o.outputs[0].token_ids) for o in outs], spec_metrics(llm), dspark_report(llm)
+        result = [list(o.outputs[0].token_ids) for o in outs], spec_metrics(llm), dspark_report(llm)
+        if not sampled_too:
+            return result
+        # Then sampled requests (T = 1, some seeded): probes draft them by sampling, a few rows only.
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + i if i % 2 else None,
+                                 ignore_eos=True) for i in range(8)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params)
+        return (*result, [list(o.outputs[0].token_ids) for o in outs], dspark_report(llm))
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +67,7 @@ def wrong_head(qwen_pair, prompts, tmp_path_factory):
     state["confidence_head.proj.bias"].fill_(float(torch.logit(torch.tensor(0.9))))
     save_file(state, str(path), metadata={"format": "pt"})
     pair = {**qwen_pair, "draft": str(draft)}
-    return _run(pair, prompts, {}, env={"VLLM_DSPARK_CACHE": str(root / "cache")})
+    return _run(pair, prompts, {}, env={"VLLM_DSPARK_CACHE": str(root / "cache")}, sampled_too=True)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +108,7 @@ def test_default_budget_profiles_costs_and_stays_lossless(profiled, qwen_baselin
 
 
 def test_a_confidently_wrong_head_is_not_trusted(wrong_head, qwen_baseline, prompts):
-    tokens, metrics, report = wrong_head
+    tokens, metrics, report, _, _ = wrong_head
     assert tokens == qwen_baseline
     st, pol = report["stats"], report["policy"]
     assert st["tokens_accepted"] == 0, st
@@ -115,3 +122,14 @@ def test_a_confidently_wrong_head_is_not_trusted(wrong_head, qwen_baseline, prom
     assert st["tokens_verified_observed"] < 0.1 * trusted, (st, pol)
     assert pol["state"] in ("waiting", "blocked"), pol
     assert st["steps_skipped"] >= 0.8 * st["steps"], st
+
+
+def test_sampled_requests_prove_themselves_separately(wrong_head):
+    _, _, greedy, sampled_tokens, report = wrong_head
+    assert all(len(t) == MAX_TOKENS for t in sampled_tokens)
+    st = report["stats"]
+    assert st["steps_probed"] > greedy["stats"]["steps_probed"], (greedy["stats"], st)
+    assert st["tokens_accepted"] == 0
+    # Probes of sampled requests were verified and rejected: the sampled level fell below its prior.
+    greedy_level, sampled_level = (lv[0] for lv in report["calibration"]["levels"])
+    assert sampled_level < 0.1 and greedy_level < 0.1, report["calibration"]["levels"]
