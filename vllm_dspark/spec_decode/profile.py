@@ -26,6 +26,11 @@ is not trusted blindly:
   (:class:`~vllm_dspark.spec_decode.budget.CostModel`) track the machine's load;
   when one stays far from 1 for long (:attr:`CostModel.stale`), the proposer
   drops the cache entry (:func:`drop_cached`), so the next start profiles again.
+
+Under tensor parallelism every dummy run is a collective, so the deciding
+rank's cache lookup, its spot-check verdict and its measured cost model are
+broadcast (:mod:`.consensus`) before anything runs: all ranks load, or all
+ranks profile, and all use the same model.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import torch
 
 from vllm_dspark.cache import cache_dir
 from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.consensus import Consensus
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -100,7 +106,7 @@ def _draft_fn(proposer, r: int):
     return run
 
 
-def profile(proposer) -> B.CostModel:
+def profile(proposer, draft_scale: float = 1.0) -> B.CostModel:
     vc = proposer.vllm_config
     max_seqs = int(vc.scheduler_config.max_num_seqs)
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
@@ -111,13 +117,13 @@ def profile(proposer) -> B.CostModel:
     max_verify = min(max_verify, PROFILE_MAX_TOKENS)
     max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
     verify = [(n, _time(_verify_fn(proposer, n))) for n in B.profile_sizes(max_verify)]
-    draft = [(r, _time(_draft_fn(proposer, r))) for r in B.profile_sizes(max_seqs)]
+    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale)) for r in B.profile_sizes(max_seqs)]
     return B.CostModel(verify=verify, draft=draft, source="start-up profile")
 
 
-def spot_check(proposer) -> dict[str, float]:
-    """The 1-token verify step and the 1-request draft step, timed now."""
-    return {"verify_1": _time(_verify_fn(proposer, 1)), "draft_1": _time(_draft_fn(proposer, 1))}
+def spot_check(proposer, draft_scale: float = 1.0) -> dict[str, float]:
+    """The 1-token verify step and the 1-request draft step, timed now (every rank runs both)."""
+    return {"verify_1": _time(_verify_fn(proposer, 1)), "draft_1": _time(_draft_fn(proposer, 1), scale=draft_scale)}
 
 
 def judge_spot_check(cached: B.CostModel, spot: dict[str, float], tolerance: float | None = None) -> str | None:
@@ -131,7 +137,9 @@ def judge_spot_check(cached: B.CostModel, spot: dict[str, float], tolerance: flo
     return None
 
 
-def _lookup(path: Path, use_cache: bool) -> dict | None:
+def _lookup(path: Path, use_cache: bool, hook: dict) -> dict | None:
+    if hook.get("cached_costs") is not None:
+        return dict(hook["cached_costs"])
     if not (use_cache and path.is_file()):
         return None
     m = B.load_cached(path)
@@ -152,22 +160,28 @@ def drop_cached(path: str | Path | None) -> bool:
         return False
 
 
-def profile_or_load(proposer) -> B.CostModel:
-    """The budget's cost model (see the module docstring).
+def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | None = None) -> B.CostModel:
+    """The budget's cost model, the same on every rank (see the module docstring).
 
-    ``proposer.profile_info`` records what happened here: the cache lookup, the
-    decision, the spot check and the seconds it all took.
+    ``proposer.profile_info`` records what happened here: this rank's own cache
+    lookup, the agreed decision, the spot check and the seconds it all took.
     """
+    cons = consensus or Consensus()
+    hook = hook or {}
+    scale = float(hook.get("draft_time_scale", 1.0))
     t0 = time.perf_counter()
     path = cache_path(proposer)
     use_cache = os.environ.get("VLLM_DSPARK_PROFILE_CACHE", "1") != "0"
-    cached = _lookup(path, use_cache)
-    info: dict = {"local_cache_hit": cached is not None}
+    local = _lookup(path, use_cache, hook)
+    info: dict = {"local_cache_hit": local is not None, "rank": cons.rank}
+    # 1. Is there a cached profile? The deciding rank's answer, before any dummy run.
+    cached = cons.decide(lambda: local)
     model: B.CostModel | None = None
     if cached is not None:
         candidate = B.CostModel.from_dict(cached, source=f"cache {path}")
-        spot = spot_check(proposer)
-        why = judge_spot_check(candidate, spot)
+        # 2. Does it still describe this machine? Every rank runs the spot check; the decider judges.
+        spot = spot_check(proposer, scale)
+        why = cons.decide(lambda: judge_spot_check(candidate, spot))
         info.update(spot_check={k: round(v, 6) for k, v in spot.items()}, stale_at_load=why)
         if why is None:
             model = candidate
@@ -176,15 +190,21 @@ def profile_or_load(proposer) -> B.CostModel:
         else:
             logger.warning("vllm_dspark: the cached cost profile %s is stale (%s); profiling again", path, why)
     if model is None:
-        model = profile(proposer)
+        # 3. Profile: every rank together (dummy runs are collectives); the decider's numbers win.
+        measured = profile(proposer, scale)
+        agreed = cons.decide(lambda: measured.to_dict())
+        model = B.CostModel.from_dict(agreed, source="start-up profile")
         info["decision"] = "profiled"
-        if use_cache:
+        info["local_verify_1"], info["local_draft_1"] = measured.verify[0][1], measured.draft[0][1]
+        if use_cache and cons.is_decider:
             try:
                 B.save_cached(path, model)
                 model.source = f"start-up profile, cached at {path}"
                 model.cache_path = str(path)
             except OSError as exc:
                 logger.warning("vllm_dspark: could not cache the cost profile at %s (%s)", path, exc)
+        elif use_cache:
+            model.source = "start-up profile (cached by TP rank 0)"
     info["seconds"] = round(time.perf_counter() - t0, 3)
     logger.info("vllm_dspark: budget cost model %s in %.1f s (%s)", info["decision"], info["seconds"], model.source)
     proposer.profile_info = info

@@ -31,6 +31,7 @@ Settings come from one :class:`~vllm_dspark.serving.settings.DSparkSettings`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power
 
 from vllm_dspark.serving.settings import DSparkSettings, settings_of
 from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.overrides import check_couplings
 from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
 
@@ -83,7 +85,12 @@ class DSparkProposer(DFlashProposer):
         if s.costs is not None:
             self.costs = B.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
             self.policy.costs = self.costs
+        # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
+        self.consensus = Consensus()
+        self._hook: dict | None = None  # the TP test's divergence hook, read once the TP group exists
         self.profile_info: dict | None = None
+        seed = getattr(getattr(vllm_config, "model_config", None), "seed", None)
+        self._seed_base = int(seed) if seed is not None else 0
         self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
         self._prev_kind = "skip"  # the plan of the step whose drafts _prev holds
         self._last_end: float | None = None
@@ -107,7 +114,7 @@ class DSparkProposer(DFlashProposer):
             return
         from vllm_dspark.spec_decode.profile import profile_or_load
 
-        self.costs = profile_or_load(self)
+        self.costs = profile_or_load(self, self.consensus, self._divergence())
         self.policy.costs = self.costs
         logger.info("vllm_dspark: budget cost model (%s): verify %s s by tokens, draft %s s by requests",
                     self.costs.source, [(n, round(t, 4)) for n, t in self.costs.verify],
@@ -248,7 +255,7 @@ class DSparkProposer(DFlashProposer):
         tm["verify"] += end - t4
         if self.costs is not None and plan.mode == "draft":
             # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
-            self.costs.observe_draft(batch, end - t2)
+            self.costs.observe_draft(batch, (end - t2) * self._draft_time_scale())
             self._check_stale()
         self._last_end = end
         self._maybe_log()
@@ -267,16 +274,25 @@ class DSparkProposer(DFlashProposer):
         lens = cad.seq_lens_cpu_upper_bound if cad.seq_lens_cpu_upper_bound is not None else cad.seq_lens
         return [int(x) > gate for x in lens[:batch].tolist()]
 
+    def _divergence(self) -> dict:
+        if self._hook is None:
+            self._hook = divergence_for_rank(self.consensus.rank)
+        return self._hook
+
+    def _draft_time_scale(self) -> float:
+        return float(self._divergence().get("draft_time_scale", 1.0))
+
     def _plan(self, caps: list[int], sampled: np.ndarray) -> B.Plan:
-        """What this step runs."""
+        """What this step runs, the same on every TP rank."""
         if max(caps, default=0) <= 0:
-            return B.SKIP
+            return B.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
         if self.settings.verification != "budget":
             return B.DRAFT
         if self.costs is None:
             raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
                                "hook did not run (is the vllm_dspark plugin registered in the worker?)")
-        return self.policy.plan(caps, sampled)
+        wire = self.consensus.decide(lambda: self.policy.plan(caps, sampled).to_wire())
+        return B.Plan.from_wire(wire)
 
     def _feedback(self, req_ids, cad, num_rejected, t0) -> None:
         """Acceptance of the previous drafts, and the duration of the verify step that measured it."""
@@ -299,6 +315,7 @@ class DSparkProposer(DFlashProposer):
             if self.settings.trace_path:
                 records.append({"step": self._step, "req_id": rid, "verified": kept, "accepted": accepted,
                                 "confidence": conf[:kept], "sampled": sampled, "kind": self._prev_kind})
+        # Every rank learns from the same acceptances; only the deciding rank's policy decides.
         self.policy.feedback(self._prev_kind, results)
         if records:
             self._write_trace(records)
@@ -306,7 +323,7 @@ class DSparkProposer(DFlashProposer):
     def _check_stale(self) -> None:
         """A profile the online corrections keep disowning: drop its cache entry, fold the corrections in."""
         costs = self.costs
-        if costs is None or not costs.stale:
+        if costs is None or not costs.stale or not self.consensus.is_decider:
             return
         from vllm_dspark.spec_decode.profile import drop_cached
 
@@ -371,26 +388,31 @@ class DSparkProposer(DFlashProposer):
         return (temps[:batch] > 0).cpu()
 
     def _draft_seeds(self, rows: list[int], cad) -> torch.Tensor:
-        """Gumbel seeds: a seeded request's own seed mixed with its anchor position (reproducible
-        alone or in any batch, and independent of the target's sampling stream); others random."""
-        seeds = torch.randint(0, 2 ** 62, (len(rows),), dtype=torch.int64)
-        if self.runner is None:
-            return seeds
-        positions = (cad.seq_lens[: cad.batch_size()].to(torch.int64)).tolist()
-        for k, r in enumerate(rows):
-            rid = self.runner.input_batch.req_ids[r]
-            state = self.runner.requests.get(rid)
+        """Gumbel seeds, a function of data every TP rank holds alike (never drawn from a generator):
+        a seeded request's own seed mixed with its anchor position (reproducible alone or in any batch,
+        and independent of the target's sampling stream); an unseeded one's id, position and the
+        engine's seed."""
+        positions = cad.seq_lens[: cad.batch_size()].to(torch.int64).tolist()
+        out = []
+        for r in rows:
+            rid = self.runner.input_batch.req_ids[r] if self.runner is not None else str(r)
+            state = self.runner.requests.get(rid) if self.runner is not None else None
             seed = getattr(getattr(state, "sampling_params", None), "seed", None)
             if seed is not None:
-                seeds[k] = (int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32)
-        return seeds
+                out.append((int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32))
+            else:
+                out.append(_unseeded_draft_seed(self._seed_base, str(rid), int(positions[r])))
+        return torch.tensor(out, dtype=torch.int64)
 
     def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray) -> list[int]:
         s = self.settings
         c = conf.cpu().numpy().astype(np.float64)
         if s.verification != "budget":
-            return rule_lengths(c, caps, s.verification, s.threshold)
-        return self.policy.choose(c, caps, sampled).kept
+            # A function of the confidences alone; the decider's list is still what every rank keeps,
+            # so the ranks' feedback and counters cannot drift apart by a rounding difference.
+            kept = rule_lengths(c, caps, s.verification, s.threshold)
+            return kept if s.verification == "fixed" else list(self.consensus.decide(lambda: kept))
+        return list(self.consensus.decide(lambda: self.policy.choose(c, caps, sampled).kept))
 
     # ------------------------------------------------------------------ observability
     def _trace(self, req_ids, anchors, tokens, conf, kept, sampled) -> None:
@@ -425,8 +447,15 @@ class DSparkProposer(DFlashProposer):
                 "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
                                                  "scale_draft": c.scale_draft, "rebased": c.rebased,
                                                  "cache_path": c.cache_path},
-                "policy": self.policy.report(),
+                "policy": self.policy.report(), "consensus": self.consensus.report(),
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
+
+
+def _unseeded_draft_seed(base: int, req_id: str, position: int) -> int:
+    """A 62-bit draft seed from the engine's seed, the request id and the anchor position (the same
+    on every rank and in every process: no Python ``hash``, whose salt differs per process)."""
+    digest = hashlib.blake2b(f"{base}:{req_id}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 62 - 1)
 
 
 def _replace(s: DSparkSettings, **kw) -> DSparkSettings:
