@@ -9,10 +9,20 @@ without speculation. Greedy tokens must be identical across all three, the
 drafter must really draft (and be partly rejected: its bigram table differs
 from the target's in a quarter of the entries), and the vllm_dspark plugin
 must have been loaded by vLLM inside each Ray worker actor.
+
+Both DSpark engines run with rank 1's inputs diverging on purpose
+(``VLLM_DSPARK_TEST_DIVERGENCE``): rank 1 finds a cached cost profile that rank
+0 lacks (one that says drafting never pays) and measures its drafter 1000x
+slower than it is. Decided rank by rank, rank 1 would load while rank 0 runs
+the profile's dummy runs (collectives: a hang), and then skip the drafter's
+block forward while rank 0 runs it. The budget's decisions are made on rank 0
+and broadcast, so the ranks agree, outputs stay identical, and nothing hangs;
+each such test has its own timeout, so a hang fails the test, not the run.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -25,11 +35,18 @@ ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[
 PROMPTS = ["hello world", "The quick brown fox", "abc", "0123456789"]
 MAX_TOKENS = 32
 K3_ENV = "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"
+# Rank 1's inputs differ from rank 0's: a profile cache only it has (saying drafting never pays),
+# and its drafter's measured times scaled by 1000.
+NEVER_PAYS = {"verify": [[1, 0.01], [512, 5.12]], "draft": [[1, 1.0], [64, 1.0]]}
+DIVERGENCE = {"VLLM_DSPARK_TEST_DIVERGENCE": json.dumps({"rank": 1, "draft_time_scale": 1000.0,
+                                                         "cached_costs": NEVER_PAYS})}
+HANG_TIMEOUT = 600  # an engine start and a generate on this machine take about 60-120 s
 
 
 @pytest.fixture(scope="module")
-def models(tiny_models, engine_env):
-    return {**tiny_models, "env": engine_env}
+def models(tiny_models, engine_env, tmp_path_factory):
+    # The profile each engine takes is cached in a temporary directory of its own, not the user's cache.
+    return {**tiny_models, "env": engine_env, "cache": tmp_path_factory.mktemp("dspark_cache")}
 
 
 def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
@@ -41,8 +58,9 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
     speculative_config = ({"method": "dspark", "model": models["draft"], "num_speculative_tokens": 7}
                           if spec else None)
     t0 = time.time()
+    cache = models["cache"] / f"{getattr(backend, '__name__', backend)}-{'spec' if spec else 'nospec'}"
     with llm_engine(models["target"], speculative_config=speculative_config,
-                    env={**models["env"], "OMP_NUM_THREADS": "1",
+                    env={**models["env"], "VLLM_DSPARK_CACHE": str(cache), "OMP_NUM_THREADS": "1",
                          # collective_rpc(probe_worker) pickles a function
                          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(extra_env or {})}, tensor_parallel_size=2,
                     distributed_executor_backend=backend, dtype="float32", max_model_len=512,
@@ -51,6 +69,7 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
         return {
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "workers": llm.collective_rpc(probe_worker),
+            "reports": llm.collective_rpc("dspark_report") if spec else None,
             "acceptance": acceptance_summary(spec_metrics(llm)) if spec else None,
             "seconds": time.time() - t0,
         }
@@ -64,12 +83,12 @@ def ray_spec(models, ray_head):
     # K3_ENV=1 here only to see that the driver's VLLM_* variables reach the Ray actors
     # (the K3 residual-stream switch depends on that); it has no effect on a Qwen3 target.
     return _run(models, backend=RayCpuTestExecutor, spec=True,
-                extra_env={"RAY_ADDRESS": ray_head, K3_ENV: "1"})
+                extra_env={"RAY_ADDRESS": ray_head, K3_ENV: "1", **DIVERGENCE})
 
 
 @pytest.fixture(scope="module")
 def mp_spec(models):
-    return _run(models, backend="mp", spec=True)
+    return _run(models, backend="mp", spec=True, extra_env=DIVERGENCE)
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +96,7 @@ def mp_nospec(models):
     return _run(models, backend="mp", spec=False)
 
 
+@pytest.mark.timeout(HANG_TIMEOUT)
 def test_ray_tp2_runs_workers_as_ray_actors_with_the_plugin(ray_spec):
     workers = ray_spec["workers"]
     assert len(workers) == 2
@@ -87,6 +107,7 @@ def test_ray_tp2_runs_workers_as_ray_actors_with_the_plugin(ray_spec):
     assert all(w["aux_attn_res_stream_env"] == "1" for w in workers), workers
 
 
+@pytest.mark.timeout(HANG_TIMEOUT)
 def test_ray_tp2_dspark_drafts_and_rejects(ray_spec):
     acc = ray_spec["acceptance"]
     assert acc["num_drafts"] > 0 and acc["num_draft_tokens"] > 0
@@ -94,12 +115,36 @@ def test_ray_tp2_dspark_drafts_and_rejects(ray_spec):
     assert 0 < acc["num_accepted_tokens"] < acc["num_draft_tokens"], acc
 
 
+@pytest.mark.timeout(HANG_TIMEOUT)
 def test_ray_tokens_identical_to_multiprocessing(ray_spec, mp_spec):
     assert all(w["ray_actor_id"] is None for w in mp_spec["workers"])
     assert torch.equal(torch.tensor(ray_spec["tokens"]), torch.tensor(mp_spec["tokens"]))
-    assert ray_spec["acceptance"] == mp_spec["acceptance"]
+    # (The two engines' budgets decide from their own rank 0's step times, so how much each
+    # drafted may differ; what each verified is lossless either way.)
+    assert mp_spec["acceptance"]["num_draft_tokens"] > 0
 
 
+@pytest.mark.timeout(HANG_TIMEOUT)
+@pytest.mark.parametrize("engine", ["ray_spec", "mp_spec"])
+def test_tp2_ranks_decide_alike_when_their_inputs_diverge(engine, request):
+    reports = request.getfixturevalue(engine)["reports"]
+    assert [r["consensus"]["rank"] for r in reports] == [0, 1]
+    assert all(r["consensus"]["world_size"] == 2 and r["consensus"]["broadcasts"] > 0 for r in reports)
+    p0, p1 = reports[0]["profile"], reports[1]["profile"]
+    # The inputs diverged: only rank 1 had a cached profile, and its drafter timed 1000x slower ...
+    assert not p0["local_cache_hit"] and p1["local_cache_hit"], (p0, p1)
+    assert p1["local_draft_1"] > 100 * p0["local_draft_1"], (p0, p1)
+    # ... yet both profiled, and both hold rank 0's cost model ...
+    assert p0["decision"] == p1["decision"] == "profiled"
+    c0, c1 = reports[0]["costs"], reports[1]["costs"]
+    assert (c0["verify"], c0["draft"]) == (c1["verify"], c1["draft"])
+    # ... and every step's plan and every request's drafts were the same on both ranks.
+    assert reports[0]["stats"] == reports[1]["stats"], (reports[0]["stats"], reports[1]["stats"])
+    assert reports[0]["stats"]["tokens_admitted"] > 0  # rank 0 drafted (rank 1 alone never would)
+    assert c1["scale_draft"] > c0["scale_draft"]  # rank 1 kept measuring its (scaled) drafter
+
+
+@pytest.mark.timeout(HANG_TIMEOUT)
 def test_ray_tokens_identical_to_no_speculation(ray_spec, mp_nospec):
     assert torch.equal(torch.tensor(ray_spec["tokens"]), torch.tensor(mp_nospec["tokens"]))
     assert all(len(t) == MAX_TOKENS for t in mp_nospec["tokens"])

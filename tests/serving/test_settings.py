@@ -105,3 +105,34 @@ def test_transport_through_the_hf_config_is_strict():
     with pytest.raises(DSparkSettingsError, match=r"unknown \['windw'\]"):
         DSparkSettings.from_dict(bad)
     assert s.cuts_drafts  # the context gate cuts drafts: needs synchronous scheduling
+
+
+def test_budget_trust_settings_defaults_sources_and_errors():
+    import dataclasses
+
+    from vllm_dspark.serving.settings import ENV, TRUST_SETTINGS
+    from vllm_dspark.spec_decode.budget import TrustConfig
+
+    s = resolve()
+    fields = {f.name: f.default for f in dataclasses.fields(DSparkSettings)}
+    trust = TrustConfig()
+    for name, default, *_ in TRUST_SETTINGS:  # one default per setting, the same in all three places
+        assert getattr(s, name) == fields[name] == getattr(trust, name) == default, name
+        assert ENV[name] == "VLLM_DSPARK_" + name.upper()
+    assert TrustConfig(**s.trust()) == trust
+    s = resolve(opts={"prior_strength": 10, "probe_tokens": 1},
+                env={"VLLM_DSPARK_PROBE_PERIOD": "4", "VLLM_DSPARK_REJECT_RUN": "0", "VLLM_DSPARK_PROBE_TOKENS": "3"})
+    assert (s.prior_strength, s.probe_tokens, s.probe_period, s.reject_run) == (10.0, 1, 4, 0)
+    assert s.source("probe_tokens") == "speculative_config['dspark']['probe_tokens']"
+    assert s.source("probe_period") == "VLLM_DSPARK_PROBE_PERIOD"
+    assert resolve(n=1, opts={"probe_tokens": 2}).trust()["probe_tokens"] == 1  # never more than verified
+    with pytest.raises(DSparkSettingsError) as exc:
+        resolve(opts={"prior_acceptance": 1.5, "probe_tokens": 1.5, "probe_period": 0, "reject_run": True},
+                env={"VLLM_DSPARK_PRIOR_STRENGTH": "lots"})
+    msg = str(exc.value)
+    for needle in ("prior_acceptance (speculative_config['dspark']['prior_acceptance']): got 1.5",
+                   "probe_tokens (speculative_config['dspark']['probe_tokens']): got 1.5, expected an integer",
+                   "probe_period", "reject_run", "prior_strength (VLLM_DSPARK_PRIOR_STRENGTH): got 'lots'"):
+        assert needle in msg, (needle, msg)
+    with pytest.raises(DSparkSettingsError, match="below probe_period"):
+        resolve(opts={"probe_period": 8, "probe_max_period": 4})

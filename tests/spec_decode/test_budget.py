@@ -73,12 +73,10 @@ def test_drafter_cost_decides_whether_drafting_pays():
     assert not B.allocate(surv, [7], flat(t=0.1, d=0.2)).draft_pays  # the drafter costs 2 decode steps
 
 
-def test_forecast_uses_the_survival_profile():
-    prof = B.SurvivalProfile(7, init=0.9)
-    assert B.forecast_pays(prof.value, 4, 7, flat(d=0.01))
-    assert not B.forecast_pays(prof.value, 4, 0, flat(d=0.01))
-    prof.value = np.full(7, 0.01)
-    assert not B.forecast_pays(prof.value, 4, 7, flat(d=0.05))
+def test_forecast_from_a_typical_survival():
+    assert B.forecast_pays(np.full(7, 0.9), 4, 7, flat(d=0.01))
+    assert not B.forecast_pays(np.full(7, 0.9), 4, 0, flat(d=0.01))
+    assert not B.forecast_pays(np.full(7, 0.01), 4, 7, flat(d=0.05))
 
 
 def test_cost_model_interpolates_extrapolates_and_stays_monotone():
@@ -89,6 +87,28 @@ def test_cost_model_interpolates_extrapolates_and_stays_monotone():
     assert m.draft_time(5) == pytest.approx(0.01)
 
 
+def test_a_profile_the_corrections_keep_disowning_is_stale():
+    m = B.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
+    for _ in range(200):  # noise around the profile never makes it stale
+        m.observe_verify(1, 0.1 * float(np.random.default_rng(len(str(_))).uniform(0.7, 1.4)))
+    assert not m.stale
+    while m.far_verify == 0:  # steps take a third of the profiled time (it was taken on a busy machine)
+        m.observe_verify(1, 0.033)
+    for _ in range(8):
+        m.observe_verify(1, 0.033)
+    assert m.scale_verify < 0.5 and m.far_verify == 9 and not m.stale
+    m.observe_verify(1, 0.033)
+    assert m.stale
+    scale = m.scale_verify
+    m.rebase()  # the corrections folded into the curves
+    assert not m.stale and m.scale_verify == 1.0 and m.rebased == 1
+    assert m.verify_time(1) == pytest.approx(0.1 * scale) and m.verify_time(100) == pytest.approx(0.2 * scale)
+    m2 = B.CostModel(verify=[(1, 0.1)], draft=[(1, 0.01)], ema=0.5, patience=3)
+    for _ in range(3):
+        m2.observe_draft(1, 0.1)  # the drafter is 10x slower than profiled
+    assert m2.stale
+
+
 def test_online_corrections_follow_observed_times_but_clamp_outliers():
     m = B.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5)
     m.observe_verify(10, 0.2)
@@ -97,20 +117,66 @@ def test_online_corrections_follow_observed_times_but_clamp_outliers():
     assert m.scale_verify == pytest.approx(0.5 * 1.5 + 0.5 * 6.0)
 
 
-def test_calibrator_learns_a_miscalibrated_head():
-    cal = B.Calibrator(num_positions=3, prior=10)
+def test_calibrator_starts_pessimistic_and_learns_from_the_first_position_outwards():
+    cal = B.Calibrator(num_positions=3, prior_strength=4, prior_acceptance=0.1, bin_prior=10, memory=0)
     conf = np.array([[0.9, 0.9, 0.9]])
-    assert cal.calibrate(conf, np.array([False]))[0, 0] == pytest.approx(0.9)  # no data: trust the head
+    # Nothing measured: the head's 0.9 is not believed; every position assumes the prior's 0.1.
+    np.testing.assert_allclose(cal.levels()[0], [0.1, 0.1, 0.1])
+    np.testing.assert_allclose(cal.calibrate(conf, np.array([False]))[0], [0.1, 0.1, 0.1])
+    assert B.survival(cal.calibrate(conf, np.array([False])))[0, -1] == pytest.approx(1e-3)
+    # Accepted drafts raise the levels of the positions they reached, and positions beyond follow.
+    for _ in range(4):
+        cal.observe([0.9, 0.9, 0.9], verified=2, accepted=2, sampled=False)
+    lv = cal.levels()[0]
+    assert lv[0] == pytest.approx((4 + 4 * 0.1) / 8)
+    assert lv[1] == pytest.approx((4 + 4 * lv[0]) / 8) and lv[2] == pytest.approx(lv[1])
+    assert cal.levels()[1][0] == pytest.approx(0.1)  # sampled requests prove themselves separately
+
+
+def test_calibrator_learns_a_miscalibrated_head():
+    cal = B.Calibrator(num_positions=3, prior_strength=4, bin_prior=10, memory=0)
     for _ in range(200):  # the head says 0.9, the target accepts position 0 only half the time
         cal.observe([0.9, 0.9, 0.9], verified=3, accepted=0, sampled=False)
         cal.observe([0.9, 0.9, 0.9], verified=3, accepted=3, sampled=False)
-    got = cal.calibrate(conf, np.array([False]))[0]
-    assert got[0] == pytest.approx((200 + 10 * 0.9) / (400 + 10))
+    got = cal.calibrate(np.array([[0.9, 0.9, 0.9]]), np.array([False]))[0]
+    assert got[0] == pytest.approx(0.5, abs=0.01)
     assert got[1] > 0.95  # once position 0 is accepted, the rest always were
-    # Sampled requests keep their own table.
-    assert cal.calibrate(conf, np.array([True]))[0, 0] == pytest.approx(0.9)
     t = cal.table()
     assert t["count"][0] == 400 and t["measured"][0] == pytest.approx(0.5)
+    # One bin (0.9) pools all positions: measured (200 + 400) / 800.
+    assert t["predicted"][0] == pytest.approx(0.9) and t["ece"] == pytest.approx(0.9 - 0.75)
+
+
+def test_the_head_ranks_slots_within_a_position():
+    cal = B.Calibrator(num_positions=1, prior_strength=4, memory=0)
+    rng = np.random.default_rng(0)
+    for _ in range(300):  # confidence 0.8 accepted 80 % of the time, 0.2 accepted 20 %
+        c = float(rng.choice([0.2, 0.8]))
+        cal.observe([c], verified=1, accepted=int(rng.random() < c), sampled=False)
+    lo, hi = cal.calibrate(np.array([[0.2], [0.8]]), np.array([False, False]))[:, 0]
+    assert lo == pytest.approx(0.2, abs=0.08) and hi == pytest.approx(0.8, abs=0.08)
+
+
+def test_calibrator_forgets_old_evidence():
+    cal = B.Calibrator(num_positions=1, prior_strength=4, memory=50)
+    for _ in range(500):
+        cal.observe([0.9], verified=1, accepted=1, sampled=False)
+    assert cal.levels()[0, 0] > 0.9
+    for _ in range(100):  # the workload changed: now never accepted
+        cal.observe([0.9], verified=1, accepted=0, sampled=False)
+    assert cal.levels()[0, 0] < 0.2
+    assert cal.table()["count"][0] == 600  # the report keeps every observation
+
+
+def test_optimistic_levels_shrink_with_evidence():
+    cal = B.Calibrator(num_positions=3)
+    np.testing.assert_allclose(cal.levels_optimistic()[0], [1.0, 1.0, 1.0])  # nothing measured: could be anything
+    for n in (4, 16, 64):
+        while cal.counts[0, 0].sum() < n:
+            cal.observe([0.9, 0.9, 0.9], verified=3, accepted=0, sampled=False)
+        ucb = cal.levels_optimistic()[0]
+        assert ucb[0] < {4: 0.5, 16: 0.2, 64: 0.06}[n], (n, ucb)
+        assert ucb[2] <= ucb[1] <= ucb[0]  # a position nothing reached is no better than the one before
 
 
 def test_cache_round_trip(tmp_path):
@@ -120,3 +186,144 @@ def test_cache_round_trip(tmp_path):
     assert got.verify == m.verify and got.draft == m.draft
     (tmp_path / "bad.json").write_text("{")
     assert B.load_cached(tmp_path / "bad.json") is None
+
+
+# ------------------------------------------------------------------ the policy, simulated
+def cpu_costs():
+    """This machine's float32 record of the default pair, extended linearly: 85 ms to decode, 158 ms to
+    verify 8 tokens at batch 1 (about 10 ms per token, compute-bound); drafter 12 ms + 4 ms a request."""
+    return B.CostModel(verify=[(1, 0.085), (8, 0.158), (512, 0.085 + 511 * 0.0104)],
+                       draft=[(1, 0.012), (64, 0.012 + 63 * 0.004)])
+
+
+def gpu_costs():
+    """Verifying is nearly free (the test pairs, a GPU at small batch): 30 ms a step, 2-4 ms of drafting."""
+    return B.CostModel(verify=[(1, 0.030), (256, 0.031), (512, 0.06)], draft=[(1, 0.002), (64, 0.004)])
+
+
+def simulate(costs, r, steps, alpha, conf=0.9, *, fixed=None, seed=0, switch=(), trust=None):
+    """Run the policy against a drafter whose every draft is accepted with probability ``alpha`` (given the
+    ones before it), its head saying ``conf`` (a number, or "informative": 0.8 +- noise). Step times come
+    from ``costs``: a skipped step costs a decode step, a drafting step or a probe adds the drafter and
+    the verified tokens (a probe is charged the whole drafter). Output is counted in expected tokens
+    (less noise than the draws, which only feed the policy). ``switch``: ``(step, alpha)`` changes.
+
+    Returns (tokens per second, [(mode, drafts verified)] per step, the policy).
+    """
+    rng = np.random.default_rng(seed)
+    pol = B.BudgetPolicy(7, trust, costs=costs)
+    n, t, out, prev, kind, log = 7, 0.0, 0.0, [], "skip", []
+    changes = dict(switch)
+    for step in range(steps):
+        alpha = changes.get(step, alpha)
+        results = []
+        for c, k in prev:
+            acc = 0
+            while acc < k and rng.random() < alpha:
+                acc += 1
+            results.append((c, k, acc, False))
+            out += sum(alpha ** j for j in range(1, k + 1))
+        if fixed is None:
+            pol.feedback(kind, results)
+        caps, sampled = [n] * r, np.zeros(r, dtype=bool)
+        plan = (B.DRAFT if fixed else B.SKIP) if fixed is not None else pol.plan(caps, sampled)
+        c = (np.full((r, n), conf) if conf != "informative"
+             else np.clip(rng.normal(0.8, 0.05, (r, n)), 0.0, 1.0))
+        if plan.mode == "skip":
+            kept = [0] * r
+        elif plan.mode == "probe":
+            kept = pol.probe_kept(plan, caps)
+        else:
+            kept = [fixed] * r if fixed is not None else pol.choose(c, caps, sampled).kept
+        t += float(costs.verify_time(r + sum(kept))) + (costs.draft_time(r) if plan.mode != "skip" else 0.0)
+        out += r
+        prev = [(c[i].tolist(), kept[i]) for i in range(r) if kept[i] > 0]
+        kind = plan.mode
+        log.append((plan.mode, sum(kept)))
+    return out / t, log, pol
+
+
+def plain_rate(costs, r):
+    return r / float(costs.verify_time(r))
+
+
+def best_fixed(costs, r, steps, alpha):
+    return max(simulate(costs, r, steps, alpha, fixed=k)[0] for k in range(8))
+
+
+@pytest.mark.parametrize("costs", [cpu_costs, gpu_costs])
+@pytest.mark.parametrize("r", [1, 32])
+def test_a_confidently_wrong_drafter_costs_at_most_3_percent_from_the_first_seconds(costs, r):
+    costs = costs()
+    steps = int(10.0 / float(costs.verify_time(r)))  # the first 10 seconds
+    rate, log, pol = simulate(costs, r, steps, alpha=0.0, conf=0.9)
+    assert rate >= 0.97 * plain_rate(costs, r), (rate / plain_rate(costs, r), pol.report())
+    assert sum(k for _, k in log) <= 4 * pol.trust.probe_requests * pol.trust.probe_tokens + 7 * r, pol.report()
+    probes = [i for i, (m, _) in enumerate(log) if m == "probe"]
+    gaps = np.diff(probes)
+    assert all(b >= 2 * a for a, b in zip(gaps, gaps[1:])), probes  # re-probes back off
+    assert pol.state in ("waiting", "blocked")
+
+
+@pytest.mark.parametrize("costs, r", [(gpu_costs, 1), (gpu_costs, 8), (gpu_costs, 32), (cpu_costs, 1)])
+def test_an_accepted_drafter_is_admitted_within_a_few_steps_and_keeps_its_gain(costs, r):
+    costs = costs()
+    for seed in range(3):
+        rate, log, pol = simulate(costs, r, 300, alpha=0.8, conf="informative", seed=seed)
+        first = next(i for i, (m, k) in enumerate(log) if m == "draft" and k > 0)
+        assert first <= 10, (seed, log[:12])
+        assert rate >= 0.95 * best_fixed(costs, r, 300, 0.8), (seed, pol.report())
+
+
+@pytest.mark.parametrize("r", [1, 8, 32])
+def test_a_run_of_rejections_stops_admitting_within_a_few_steps(r):
+    rate, log, pol = simulate(gpu_costs(), r, 400, alpha=0.9, conf="informative", switch=[(200, 0.0)])
+    assert sum(k for m, k in log[150:200] if m == "draft") > 0  # it was drafting
+    admitting = [i for i, (m, k) in enumerate(log[200:]) if m == "draft" and k > 0]
+    assert len(admitting) <= 3 and all(i <= 3 for i in admitting), admitting
+    probes = [i for i, (m, _) in enumerate(log[200:]) if m == "probe"]
+    assert len(probes) <= 9 and np.all(np.diff(probes) >= 2), probes  # re-probes are rare, with backoff
+    assert pol.counters["stops"] >= 1 or pol.state == "waiting"
+
+
+def test_a_stopped_drafter_is_readmitted_once_a_probe_is_accepted():
+    rate, log, pol = simulate(gpu_costs(), 1, 400, alpha=0.9, conf="informative",
+                              switch=[(100, 0.0), (160, 0.9)])
+    assert not any(m == "draft" and k > 0 for m, k in log[110:160])
+    back = next(i for i, (m, k) in enumerate(log[160:]) if m == "draft" and k > 0)
+    assert back <= 70, back  # the next probe (after a backed-off wait) is accepted, drafting resumes
+    assert pol.counters["unblocks"] >= 1 or pol.counters["probes_accepted"] >= 1
+
+
+def test_no_probe_when_not_even_an_always_accepted_drafter_could_pay():
+    never = B.CostModel(verify=[(1, 0.01), (512, 5.12)], draft=[(1, 1.0), (64, 1.0)])
+    for r in (1, 16):
+        rate, log, pol = simulate(never, r, 100, alpha=1.0)
+        assert all(m == "skip" for m, _ in log), log[:10]
+        assert pol.counters["probes"] == 0
+
+
+def test_probes_rotate_over_the_requests_within_their_caps():
+    pol = B.BudgetPolicy(7, costs=cpu_costs())
+    caps, sampled = [7, 0, 7, 1, 7, 7], np.zeros(6, dtype=bool)
+    plan = pol.plan(caps, sampled)
+    assert plan == B.Plan("probe", (0, 2, 3, 4), 2)  # request 1 is gated; 4 requests per probe
+    assert pol.probe_kept(plan, caps) == [2, 0, 2, 1, 2, 0]
+    pol.feedback("probe", [([0.9] * 7, k, k, False) for k in (2, 2, 1, 2)])  # accepted, but not yet enough
+    assert pol.plan(caps, sampled).rows == (0, 2, 3, 5)  # the next four, wrapping around
+    pol.feedback("probe", [([0.9] * 7, k, 0, False) for k in (2, 2, 1, 2)])
+    assert pol.plan(caps, sampled) == B.SKIP and pol.period == 2  # rejected: the wait doubled
+    assert B.Plan.from_wire(plan.to_wire()) == plan
+
+
+def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
+    from vllm_dspark.spec_decode import profile as P
+
+    cached = B.CostModel(verify=[(1, 0.001), (8, 0.002)], draft=[(1, 0.0005), (4, 0.001)])
+    assert P.judge_spot_check(cached, {"verify_1": 0.0012, "draft_1": 0.0004}) is None
+    why = P.judge_spot_check(cached, {"verify_1": 0.0004, "draft_1": 0.0005})  # 2.5x faster than cached
+    assert why and "verify_1" in why
+    assert P.judge_spot_check(cached, {"verify_1": 0.001, "draft_1": 0.0011})  # the drafter 2.2x slower
+    f = tmp_path / "c.json"
+    f.write_text("{}")
+    assert P.drop_cached(f) and not f.exists() and not P.drop_cached(f) and not P.drop_cached(None)

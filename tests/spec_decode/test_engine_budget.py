@@ -4,16 +4,23 @@ Two engines:
 
 * costs pinned so that no draft slot ever pays (every verified token costs as
   much as a decode step and the drafter costs a second): every step must be a
-  plain decode step: nothing verified, the drafter's block forward skipped,
+  plain decode step: nothing verified, the drafter's block forward never run
+  (not even a probe: a drafter that is always accepted could not pay either),
   outputs unchanged;
-* the default: costs profiled at start-up (the worker hook), drafts admitted.
+* the default: costs profiled at start-up (the worker hook); the drafter has
+  to prove itself with probes first, then drafts are admitted;
+* a confidently wrong drafter (its Markov table is off by one everywhere, so no
+  draft is ever accepted, and its head says 0.9 everywhere): the budget must
+  not take the head's word. A few probes and at most a drafting step or two
+  are verified, far from what trusting the head would verify.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.helpers import MAX_TOKENS
+from tests.helpers import MAX_TOKENS, VOCAB
 from vllm_dspark.testing.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
@@ -21,19 +28,46 @@ pytestmark = pytest.mark.engine
 NEVER_PAYS = {"verify": [[1, 0.01], [512, 5.12]], "draft": [[1, 1.0], [64, 1.0]]}
 
 
-def _run(pair, prompts, dspark, env=None):
+def _run(pair, prompts, dspark, env=None, sampled_too=False):
     from vllm import SamplingParams
 
     spec = {"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 7, "dspark": dspark}
     with llm_engine(pair["target"], speculative_config=spec, env=env or {}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        return [list(o.outputs[0].token_ids) for o in outs], spec_metrics(llm), dspark_report(llm)
+        result = [list(o.outputs[0].token_ids) for o in outs], spec_metrics(llm), dspark_report(llm)
+        if not sampled_too:
+            return result
+        # Then sampled requests (T = 1, some seeded): probes draft them by sampling, a few rows only.
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + i if i % 2 else None,
+                                 ignore_eos=True) for i in range(8)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params)
+        return (*result, [list(o.outputs[0].token_ids) for o in outs], dspark_report(llm))
 
 
 @pytest.fixture(scope="module")
 def never_pays(qwen_pair, prompts):
     return _run(qwen_pair, prompts, {"verification": "budget", "costs": NEVER_PAYS})
+
+
+@pytest.fixture(scope="module")
+def wrong_head(qwen_pair, prompts, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    from vllm_dspark.testing.tiny import make_drafter
+
+    root = tmp_path_factory.mktemp("wrong_head")
+    bigram = (qwen_pair["bigram"] + 1) % VOCAB  # every draft token wrong
+    draft = make_drafter(root / "draft", qwen_pair["config"], mode="oracle", bigram=bigram, backbone_scale=0.05,
+                         seed=5)
+    # The head says 0.9 whatever it sees: zero weights, bias logit(0.9).
+    path = draft / "model.safetensors"
+    state = load_file(str(path))
+    state["confidence_head.proj.weight"].zero_()
+    state["confidence_head.proj.bias"].fill_(float(torch.logit(torch.tensor(0.9))))
+    save_file(state, str(path), metadata={"format": "pt"})
+    pair = {**qwen_pair, "draft": str(draft)}
+    return _run(pair, prompts, {}, env={"VLLM_DSPARK_CACHE": str(root / "cache")}, sampled_too=True)
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +83,9 @@ def test_zero_admitted_drafts_make_plain_decode_steps(never_pays, qwen_baseline)
     assert s["num_drafts"] == 0 and s["num_draft_tokens"] == 0  # the target verified nothing
     st = report["stats"]
     assert st["tokens_admitted"] == 0
-    # After the first step's forecast the drafter's block forward does not run (a probe every 32
-    # skipped steps refreshes the forecast).
-    assert st["steps_skipped"] >= 0.8 * st["steps"], st
-    assert report["timings_s"]["block_forward"] > 0 and report["timings_s"]["context_kv_only"] > 0
+    assert st["steps_skipped"] == st["steps"] and st["steps_probed"] == 0, st
+    assert report["timings_s"]["block_forward"] == 0 and report["timings_s"]["context_kv_only"] > 0
+    assert report["policy"]["probes"] == 0, report["policy"]
     assert report["costs"]["source"] == "speculative_config['dspark']['costs']"
 
 
@@ -72,3 +105,31 @@ def test_default_budget_profiles_costs_and_stays_lossless(profiled, qwen_baselin
     assert s["mean_acceptance_length"] > 2.0, s
     cal = report["calibration"]
     assert sum(cal["count"]) > 0 and 0.0 <= cal["ece"] <= 1.0
+
+
+def test_a_confidently_wrong_head_is_not_trusted(wrong_head, qwen_baseline, prompts):
+    tokens, metrics, report, _, _ = wrong_head
+    assert tokens == qwen_baseline
+    st, pol = report["stats"], report["policy"]
+    assert st["tokens_accepted"] == 0, st
+    # The head says 0.9 at every position (calibration table: predicted), and is never right.
+    pred = [p for p, c in zip(report["calibration"]["predicted"], report["calibration"]["count"]) if c]
+    assert pred and min(pred) > 0.8, report["calibration"]
+    # Trusting it would verify up to 7 drafts per request and step; the budget verified a few
+    # probes (2 drafts for up to 4 requests) and at most two drafting steps before it stopped.
+    trusted = 7 * len(prompts) * MAX_TOKENS
+    assert st["tokens_verified_observed"] <= 2 * 7 * len(prompts) + 64, (st, pol)
+    assert st["tokens_verified_observed"] < 0.1 * trusted, (st, pol)
+    assert pol["state"] in ("waiting", "blocked"), pol
+    assert st["steps_skipped"] >= 0.8 * st["steps"], st
+
+
+def test_sampled_requests_prove_themselves_separately(wrong_head):
+    _, _, greedy, sampled_tokens, report = wrong_head
+    assert all(len(t) == MAX_TOKENS for t in sampled_tokens)
+    st = report["stats"]
+    assert st["steps_probed"] > greedy["stats"]["steps_probed"], (greedy["stats"], st)
+    assert st["tokens_accepted"] == 0
+    # Probes of sampled requests were verified and rejected: the sampled level fell below its prior.
+    greedy_level, sampled_level = (lv[0] for lv in report["calibration"]["levels"])
+    assert sampled_level < 0.1 and greedy_level < 0.1, report["calibration"]["levels"]

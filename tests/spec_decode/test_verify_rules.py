@@ -35,8 +35,10 @@ def test_counters_and_log_line():
     s.add_step(drafted=False, cap=7, kept=[0, 0])
     s.add_acceptance(7, 5)
     s.add_acceptance(3, 0)
-    assert s.as_dict() == {"steps": 2, "steps_drafted": 1, "steps_skipped": 1, "requests": 3,
-                           "tokens_drafted": 21, "tokens_admitted": 10, "empty_drafts": 1,
+    s.add_step(drafted=True, cap=7, kept=[2, 0], probe=True)  # a probe: one request's first two drafts
+    assert s.as_dict() == {"steps": 3, "steps_drafted": 2, "steps_probed": 1, "steps_skipped": 1, "requests": 4,
+                           "tokens_drafted": 23, "tokens_admitted": 12, "empty_drafts": 1,
                            "tokens_verified_observed": 10, "tokens_accepted": 5}
-    assert s.line("budget") == ("DSpark verification (budget): admitted 10/21 drafted tokens (47.6%), 1 empty "
-                                "drafts, 1/2 steps without drafting; accepted 5/10 verified draft tokens (50.0%)")
+    assert s.line("budget") == ("DSpark verification (budget): admitted 12/23 drafted tokens (52.2%), 1 empty "
+                                "drafts, 1/3 steps without drafting, 1 probes; accepted 5/10 verified draft tokens "
+                                "(50.0%)")

@@ -41,6 +41,17 @@ setting                environment                  meaning (default)
 ``costs``              (speculative config only)    the budget's cost table, ``{"verify": [[tokens, s],
                                                     ...], "draft": [[requests, s], ...]}``, instead of
                                                     the start-up profile (profiled and cached)
+``prior_strength``     VLLM_DSPARK_PRIOR_STRENGTH   budget: pseudo-observations of the pessimistic prior
+                                                    on the drafter's acceptance (4; 0: data only)
+``prior_acceptance``   VLLM_DSPARK_PRIOR_ACCEPTANCE budget: the acceptance that prior assumes at the
+                                                    first position, before any is measured (0.1)
+``probe_tokens``       VLLM_DSPARK_PROBE_TOKENS     budget: drafts a probe verifies for each of a few
+                                                    requests while drafting is unproven (2; 0: none)
+``probe_period``       VLLM_DSPARK_PROBE_PERIOD     budget: steps without drafting before a probe; the
+                                                    wait doubles after each rejected probe (1)
+``probe_max_period``   VLLM_DSPARK_PROBE_MAX_PERIOD budget: the longest wait between probes (256)
+``reject_run``         VLLM_DSPARK_REJECT_RUN       budget: drafting steps in a row with every draft
+                                                    rejected that stop admitting drafts (3; 0: never)
 =====================  ===========================  =====================================================
 
 :func:`resolve_settings` builds a :class:`DSparkSettings` (every problem is
@@ -76,9 +87,24 @@ ENV = {
     "trace": "VLLM_DSPARK_TRACE",
     "stats_interval": "VLLM_DSPARK_STATS_INTERVAL",
     "disable_markov": "VLLM_DSPARK_DISABLE_MARKOV",
+    "prior_strength": "VLLM_DSPARK_PRIOR_STRENGTH",
+    "prior_acceptance": "VLLM_DSPARK_PRIOR_ACCEPTANCE",
+    "probe_tokens": "VLLM_DSPARK_PROBE_TOKENS",
+    "probe_period": "VLLM_DSPARK_PROBE_PERIOD",
+    "probe_max_period": "VLLM_DSPARK_PROBE_MAX_PERIOD",
+    "reject_run": "VLLM_DSPARK_REJECT_RUN",
 }
+# The budget's trust settings: (name, default, kind, lower bound, upper bound, what it means).
+TRUST_SETTINGS: tuple[tuple[str, float, type, float, float, str], ...] = (
+    ("prior_strength", 4.0, float, 0.0, math.inf, "pseudo-observations of the pessimistic acceptance prior"),
+    ("prior_acceptance", 0.1, float, 0.0, 1.0, "the acceptance the prior assumes at the first position"),
+    ("probe_tokens", 2, int, 0, math.inf, "drafts a probe verifies per probed request (0: no probes)"),
+    ("probe_period", 1, int, 1, math.inf, "steps without drafting before a probe"),
+    ("probe_max_period", 256, int, 1, math.inf, "the longest wait between probes, in steps"),
+    ("reject_run", 8, int, 0, math.inf, "all-rejected drafting steps in a row that stop admitting (0: never)"),
+)
 SPEC_KEYS = ("verification", "threshold", "window", "max_draft_context", "draft_sampling", "trace",
-             "stats_interval", "use_markov", "costs")
+             "stats_interval", "use_markov", "costs", *(t[0] for t in TRUST_SETTINGS))
 DFLASH_KEYS = {"verification": "verification", "threshold": "confidence_threshold",
                "max_draft_context": "max_draft_context"}
 
@@ -108,6 +134,12 @@ class DSparkSettings:
     trace_path: str | None = None
     stats_interval_s: float = 30.0
     costs: dict | None = None  # explicit budget cost table (skips the start-up profile)
+    prior_strength: float = 4.0  # budget: pseudo-observations of the pessimistic acceptance prior
+    prior_acceptance: float = 0.1  # budget: acceptance that prior assumes at the first position
+    probe_tokens: int = 2  # budget: drafts a probe verifies per probed request (0: no probes)
+    probe_period: int = 1  # budget: steps without drafting before a probe (doubles per rejected probe)
+    probe_max_period: int = 256  # budget: the longest wait between probes
+    reject_run: int = 8  # budget: all-rejected drafting steps in a row that stop admitting (0: never)
     sources: tuple[tuple[str, str], ...] = field(default=())
 
     # -------------------------------------------------------------- derived
@@ -116,6 +148,13 @@ class DSparkSettings:
         """Whether requests may verify fewer than the block's drafts (needs synchronous scheduling)."""
         return (self.verification != "fixed" or self.max_draft_tokens < self.num_draft_tokens
                 or self.max_draft_context is not None)
+
+    def trust(self) -> dict[str, float | int]:
+        """The budget's :class:`~vllm_dspark.spec_decode.budget.TrustConfig` arguments (a plain dict:
+        this layer does not import the budget)."""
+        return {"prior_strength": self.prior_strength, "prior_acceptance": self.prior_acceptance,
+                "probe_tokens": min(self.probe_tokens, self.max_draft_tokens), "probe_period": self.probe_period,
+                "probe_max_period": max(self.probe_max_period, self.probe_period), "reject_run": self.reject_run}
 
     @property
     def past_trained_context(self) -> bool:
@@ -349,6 +388,30 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
                      "draft": [list(map(float, p)) for p in costs["draft"]]}
             sources["costs"] = "speculative_config['dspark']['costs']"
 
+    trust: dict[str, float | int] = {}
+    for name, default, kind, lo, hi, meaning in TRUST_SETTINGS:
+        trust[name] = default
+        got = pick(name)
+        if got is None:
+            continue
+        sources[name] = got[1]
+        expected = (f"{'an integer' if kind is int else 'a number'} in [{lo:g}, {hi:g}]: {meaning}"
+                    if math.isfinite(hi) else
+                    f"{'an integer' if kind is int else 'a number'} >= {lo:g}: {meaning}")
+        v = attempt(_num, got[0], name, got[1], lo=lo, hi=hi, kind=expected)
+        if v is None:
+            continue
+        if kind is int:
+            if isinstance(got[0], bool) or v != int(v):
+                problems.append(f"{name} ({got[1]}): got {got[0]!r}, expected {expected}")
+                continue
+            v = int(v)
+        trust[name] = v
+    if int(trust["probe_max_period"]) < int(trust["probe_period"]):
+        problems.append(f"probe_max_period ({sources.get('probe_max_period', 'default')}): got "
+                        f"{trust['probe_max_period']}, below probe_period {trust['probe_period']}; set it to at "
+                        f"least probe_period")
+
     if problems:
         raise DSparkSettingsError("DSpark settings cannot be served:\n  - " + "\n  - ".join(problems))
     return DSparkSettings(
@@ -357,4 +420,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         verification=verification, threshold=threshold, window=window, max_draft_context=gate,
         draft_sampling=draft_sampling, use_markov=use_markov, trained_context=trained,
         served_context=int(served_context), trace_path=trace, stats_interval_s=stats_interval, costs=costs,
+        prior_strength=float(trust["prior_strength"]), prior_acceptance=float(trust["prior_acceptance"]),
+        probe_tokens=int(trust["probe_tokens"]), probe_period=int(trust["probe_period"]),
+        probe_max_period=int(trust["probe_max_period"]), reject_run=int(trust["reject_run"]),
         sources=tuple(sorted(sources.items())))

@@ -21,18 +21,26 @@ decides, every step:
   drafter's block forward (only its context KV is kept up to date).
 
 Costs come from a start-up profile (:class:`CostModel`, cached on disk) and
-are corrected online by the step times actually observed. Confidences come
-from the drafter's confidence head through :class:`Calibrator`, which learns
-from the acceptances it sees how often a predicted confidence really is
-accepted, so a badly calibrated head makes the budget cautious rather than
-wrong: after a few hundred verified draft tokens the survival estimates are
-the measured acceptance rates.
+are corrected online by the step times actually observed; a profile the
+corrections keep disowning is stale (:attr:`CostModel.stale`).
+
+Nothing the confidence head says is trusted before it is measured
+(:class:`Calibrator`): the acceptance prior is pessimistic (10% per position,
+worth 4 observations), a position nothing has reached yet is assumed no better
+than the one before, and the head's confidence only ranks slots within a
+position. So an unproven drafter does not draft; :class:`BudgetPolicy` lets it
+prove itself with cheap **probes** (2 drafts for a few requests) while an upper
+bound of its measured acceptance could still pay, within a probe budget and
+with a doubling wait, and starts drafting once the *measured* acceptance says
+drafting pays. A run of all-rejected drafting steps stops admitting (after
+``reject_run`` steps, or as soon as the run was unlikely under the measured
+acceptance), and only probes follow until one is accepted.
 
 This follows vLLM 0.33's adaptive verification (V2 runner) in spirit:
-survival-ranked global admission under profiled costs. It differs in two
+survival-ranked global admission under profiled costs. It differs in
 deliberate ways: the admission rule maximises the measured throughput ratio
-instead of filling a fixed budget, and the head's confidences are recalibrated
-online from observed acceptances.
+instead of filling a fixed budget, the head's confidences are recalibrated
+online from observed acceptances, and an unproven head is not believed.
 """
 
 from __future__ import annotations
@@ -55,6 +63,13 @@ class CostModel:
     the time is interpolated linearly, beyond the last point extrapolated from
     the last two (the machine stays compute-bound). ``scale_verify`` and
     ``scale_draft`` are online corrections (EMAs of observed / predicted).
+
+    A correction that stays outside ``[1/drift, drift]`` for ``patience``
+    observations in a row means the curves no longer describe this machine (a
+    profile taken while the machine was busy, or cached from another state of
+    it): :attr:`stale` turns true. The proposer then drops the cached profile,
+    so the next start profiles again, and :meth:`rebase` folds the corrections
+    into the curves.
     """
 
     verify: list[tuple[int, float]]
@@ -63,6 +78,12 @@ class CostModel:
     scale_draft: float = 1.0
     ema: float = 0.05
     source: str = "profile"
+    drift: float = 2.0
+    patience: int = 100
+    far_verify: int = 0  # consecutive observations with scale_verify outside [1/drift, drift]
+    far_draft: int = 0
+    rebased: int = 0  # how many times rebase() folded the corrections in
+    cache_path: str | None = None  # where this model is cached (None: nowhere)
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
@@ -76,13 +97,30 @@ class CostModel:
     def draft_time(self, requests: int) -> float:
         return float(self.scale_draft * _interp(self.draft, requests))
 
+    def _far(self, scale: float) -> bool:
+        return not (1.0 / self.drift <= scale <= self.drift)
+
     def observe_verify(self, tokens: int, seconds: float) -> None:
         self.scale_verify = _ema(self.scale_verify, seconds / max(1e-9, float(_interp(self.verify, tokens))),
                                  self.ema)
+        self.far_verify = self.far_verify + 1 if self._far(self.scale_verify) else 0
 
     def observe_draft(self, requests: int, seconds: float) -> None:
         self.scale_draft = _ema(self.scale_draft, seconds / max(1e-9, float(_interp(self.draft, requests))),
                                 self.ema)
+        self.far_draft = self.far_draft + 1 if self._far(self.scale_draft) else 0
+
+    @property
+    def stale(self) -> bool:
+        return max(self.far_verify, self.far_draft) >= self.patience
+
+    def rebase(self) -> None:
+        """Fold the online corrections into the curves (after a stale profile was detected)."""
+        self.verify = [(n, t * self.scale_verify) for n, t in self.verify]
+        self.draft = [(n, t * self.scale_draft) for n, t in self.draft]
+        self.scale_verify = self.scale_draft = 1.0
+        self.far_verify = self.far_draft = 0
+        self.rebased += 1
 
     def to_dict(self) -> dict:
         return {"verify": [list(p) for p in self.verify], "draft": [list(p) for p in self.draft],
@@ -148,28 +186,70 @@ def save_cached(path: Path, model: CostModel) -> None:
 # ------------------------------------------------------------------ calibration
 @dataclass
 class Calibrator:
-    """Predicted confidence -> measured acceptance, learnt online per (mode, position, bin).
+    """Measured acceptance, learnt online per (mode, position) and per (mode, position, confidence bin).
 
-    ``calibrate(c, pos)`` shrinks the bin's measured rate towards the head's own
-    prediction with ``prior`` pseudo-observations, so an empty bin trusts the
-    head and a full one trusts the data.
+    Nothing is trusted before it is measured. Each position's acceptance
+    *level* is a Beta-style estimate whose prior is pessimistic and chained:
+    position 0 starts from ``prior_acceptance`` with ``prior_strength``
+    pseudo-observations, and position ``j`` starts from position ``j-1``'s
+    estimate (a drafter proves itself from the first position outwards; a
+    position nothing has reached yet is assumed no better than the one before).
+    Within a position the head's confidence only *ranks* slots: a slot's prior
+    is the level scaled by ``conf / (mean confidence seen at that position)``,
+    and each confidence bin's measured rate takes over from it after
+    ``bin_prior`` observations. So a head that says 0.9 everywhere and is never
+    accepted gets survival estimates that fall with every rejection, instead of
+    0.9 until a few hundred verified tokens have outvoted it.
+
+    Evidence fades with ``memory`` (observations, per mode): old acceptances do
+    not keep vouching for a drafter on a workload that changed.
     """
 
     num_positions: int
     bins: int = 10
-    prior: float = 20.0
-    hits: np.ndarray = field(init=False)
+    prior_strength: float = 4.0
+    prior_acceptance: float = 0.1
+    bin_prior: float = 20.0
+    memory: float = 2000.0
+    hits: np.ndarray = field(init=False)  # [2, P, bins], decayed (mode 0 greedy, 1 sampled)
     counts: np.ndarray = field(init=False)
     pred_sum: np.ndarray = field(init=False)
+    total_hits: np.ndarray = field(init=False)  # the same, never decayed (the report)
+    total_counts: np.ndarray = field(init=False)
+    total_pred: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        shape = (2, self.num_positions, self.bins)  # mode 0 greedy, 1 sampled
-        self.hits = np.zeros(shape)
-        self.counts = np.zeros(shape)
-        self.pred_sum = np.zeros(shape)
+        shape = (2, self.num_positions, self.bins)
+        for name in ("hits", "counts", "pred_sum", "total_hits", "total_counts", "total_pred"):
+            setattr(self, name, np.zeros(shape))
 
     def _bin(self, c: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(c) * self.bins).astype(np.int64), 0, self.bins - 1)
+
+    def levels(self) -> np.ndarray:
+        """[2, P] measured conditional acceptance per mode and position (the chained pessimistic prior)."""
+        h = self.hits.sum(axis=2)
+        n = self.counts.sum(axis=2)
+        w = self.prior_strength
+        out = np.empty_like(h)
+        prev = np.full(2, float(self.prior_acceptance))
+        for j in range(self.num_positions):
+            den = n[:, j] + w
+            out[:, j] = np.where(den > 0, (h[:, j] + w * prev) / np.maximum(den, 1e-12), prev)
+            prev = out[:, j]
+        return out
+
+    def levels_optimistic(self, z: float = 2.0) -> np.ndarray:
+        """[2, P] an upper confidence bound on the acceptance, from the measurements alone (no prior:
+        1 before anything is measured, shrinking like 1/sqrt(observations)); a position is bounded
+        by the one before it, as in :meth:`levels`. What the acceptance could still be: while this
+        bound says drafting could pay, probing is worth it."""
+        h = self.hits.sum(axis=2)
+        n = self.counts.sum(axis=2)
+        a, b = h + 1.0, (n - h) + 1.0  # a uniform Beta(1, 1) belief, updated by the data
+        mean = a / (a + b)
+        ucb = np.clip(mean + z * np.sqrt(mean * (1.0 - mean) / (a + b + 1.0)), 0.0, 1.0)
+        return np.minimum.accumulate(ucb, axis=1)
 
     def calibrate(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """[R, N] predicted conditional acceptance -> calibrated, same shape."""
@@ -177,37 +257,53 @@ class Calibrator:
         r, n = conf.shape
         mode = np.broadcast_to(np.asarray(sampled, dtype=np.int64)[:, None], (r, n))
         pos = np.broadcast_to(np.arange(n)[None, :], (r, n))
+        lv = self.levels()
+        cnt = self.counts.sum(axis=2)
+        mean_pred = np.where(cnt > 0, self.pred_sum.sum(axis=2) / np.maximum(cnt, 1e-12), np.nan)
+        mp = mean_pred[mode, pos]
+        ratio = np.where(np.isfinite(mp) & (mp > 0), conf / np.where(mp > 0, mp, 1.0), 1.0)
+        q = np.clip(lv[mode, pos] * ratio, 0.0, 1.0)
         b = self._bin(conf)
         h = self.hits[mode, pos, b]
         c = self.counts[mode, pos, b]
-        return (h + self.prior * conf) / (c + self.prior)
+        return (h + self.bin_prior * q) / (c + self.bin_prior)
 
     def observe(self, conf: Sequence[float], verified: int, accepted: int, sampled: bool) -> None:
         """One request's verified drafts: positions < accepted were accepted, position ``accepted`` was not."""
+        if verified <= 0:
+            return
+        m = int(sampled)
+        if self.memory > 0:
+            keep = 1.0 - 1.0 / self.memory
+            self.hits[m] *= keep
+            self.counts[m] *= keep
+            self.pred_sum[m] *= keep
         last = min(accepted, verified - 1)
         for j in range(last + 1):
             c = float(conf[j])
             b = int(min(self.bins - 1, max(0, int(c * self.bins))))
-            m = int(sampled)
-            self.counts[m, j, b] += 1
-            self.pred_sum[m, j, b] += c
-            if j < accepted:
-                self.hits[m, j, b] += 1
+            hit = 1.0 if j < accepted else 0.0
+            for cnt, hits, pred in ((self.counts, self.hits, self.pred_sum),
+                                    (self.total_counts, self.total_hits, self.total_pred)):
+                cnt[m, j, b] += 1
+                pred[m, j, b] += c
+                hits[m, j, b] += hit
 
     def table(self) -> dict:
         """The head's calibration: predicted vs measured conditional acceptance per position and per
-        confidence bin (both modes pooled), and the expected calibration error over the bins."""
-        cnt = self.counts.sum(axis=(0, 2))
-        bcnt = self.counts.sum(axis=(0, 1))
-        bpred = self.pred_sum.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
-        bmeas = self.hits.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
+        confidence bin (both modes pooled, every observation), the expected calibration error over
+        the bins, and the levels the budget currently uses (greedy, sampled)."""
+        cnt = self.total_counts.sum(axis=(0, 2))
+        bcnt = self.total_counts.sum(axis=(0, 1))
+        bpred = self.total_pred.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
+        bmeas = self.total_hits.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
         total = float(bcnt.sum())
         ece = float((bcnt * np.abs(bpred - bmeas)).sum() / total) if total else float("nan")
         return {"count": cnt.tolist(),
-                "predicted": (self.pred_sum.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
-                "measured": (self.hits.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
+                "predicted": (self.total_pred.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
+                "measured": (self.total_hits.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
                 "bins": {"count": bcnt.tolist(), "predicted": bpred.tolist(), "measured": bmeas.tolist()},
-                "ece": ece}
+                "ece": ece, "levels": self.levels().tolist()}
 
 
 # ------------------------------------------------------------------ allocation
@@ -277,15 +373,225 @@ def forecast_pays(mean_surv: Sequence[float], requests: int, cap: int, costs: Co
     return allocate(s, [cap] * requests, costs, margin=margin).draft_pays
 
 
-class SurvivalProfile:
-    """EMA of the calibrated survival per position, for forecasts on steps without fresh drafts."""
+# ------------------------------------------------------------------ trust
+@dataclass(frozen=True)
+class TrustConfig:
+    """How an unproven drafter proves itself, and how a drafter that stops being accepted is stopped.
 
-    def __init__(self, num_positions: int, init: float = 0.5, ema: float = 0.1):
-        self.value = np.array([init ** (k + 1) for k in range(num_positions)])
-        self.ema = ema
+    ``prior_strength`` / ``prior_acceptance``: the calibrator's pessimistic prior
+    (pseudo-observations and the acceptance they assume at the first position).
+    ``probe_tokens``: drafts a probe verifies per probed request (at most
+    ``probe_requests`` requests per probe; 0: no probes). ``probe_period``: steps
+    without drafting before the first probe; the wait doubles after every probe
+    whose drafts were all rejected (and after every drafting step whose allocation
+    says drafting stopped paying), up to ``probe_max_period``, and returns to
+    ``probe_period`` once drafting pays. ``reject_run``: that many drafting steps
+    in a row in which every verified draft was rejected stop admitting (0: never);
+    then only probes run until one is accepted.
+    """
 
-    def update(self, surv: np.ndarray) -> None:
-        if surv.size:
-            self.value = (1 - self.ema) * self.value + self.ema * surv.mean(axis=0)
+    prior_strength: float = 4.0
+    prior_acceptance: float = 0.1
+    probe_tokens: int = 2
+    probe_period: int = 1
+    probe_max_period: int = 256
+    reject_run: int = 8
+    probe_requests: int = 4
+    probe_overhead: float = 0.02
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What the next step runs: ``draft`` (block forward for every request, the allocation decides),
+    ``probe`` (``tokens`` drafts for each of ``rows`` only) or ``skip`` (context K/V only)."""
+
+    mode: str
+    rows: tuple[int, ...] = ()
+    tokens: int = 0
+
+    def to_wire(self) -> tuple:
+        return (self.mode, self.rows, self.tokens)
+
+    @classmethod
+    def from_wire(cls, w: Sequence) -> Plan:
+        return cls(str(w[0]), tuple(int(x) for x in w[1]), int(w[2]))
+
+
+SKIP = Plan("skip")
+STOP_SURPRISE = float(np.log(100.0))
+PROBE_BURST = 4.0
+DRAFT = Plan("draft")
+
+
+class BudgetPolicy:
+    """The budget's decisions, step by step: draft, probe or skip; and which drafts to verify.
+
+    States:
+
+    * ``waiting`` (the start): drafting has not been shown to pay. Each time the
+      wait runs out, the step drafts in full if the *measured* acceptance levels
+      (:meth:`Calibrator.levels`, not the head's word) forecast that drafting
+      pays at this batch size, else it probes: ``probe_tokens`` drafts for a few
+      requests, verified whatever they cost. A probe with no acceptance doubles
+      the wait. No probe is made when even a drafter that is always accepted
+      could not pay under the cost model.
+    * ``drafting``: every step drafts, and :func:`allocate` decides what is
+      verified. When its forecast says the next step's drafting will not pay,
+      back to ``waiting``.
+    * ``blocked``: ``reject_run`` drafting steps in a row had every verified draft
+      rejected. Nothing is admitted but probes (with the doubling wait) until a
+      probe is accepted.
+
+    Pure logic (numpy only); the proposer feeds it acceptances and confidences,
+    and under tensor parallelism only the deciding rank runs it.
+    """
+
+    def __init__(self, num_positions: int, trust: TrustConfig | None = None, *, costs: CostModel | None = None,
+                 margin: float = 0.02):
+        self.trust = trust or TrustConfig()
+        t = self.trust
+        self.num_positions = num_positions
+        self.calibrator = Calibrator(num_positions, prior_strength=t.prior_strength,
+                                     prior_acceptance=t.prior_acceptance)
+        self.costs = costs
+        self.margin = margin
+        self.state = "waiting"
+        self.period = max(1, t.probe_period)
+        self.wait = self.period
+        self.wait_batch = 0
+        self.reject_steps = 0
+        self.surprise = 0.0  # -log P(the current run of rejections) under the measured acceptance
+        self.draft_pays_next = False
+        self.credit: float | None = None  # seconds of probing the measurements do not justify (None: unset)
+        self._cursor = 0
+        self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
+
+    # -------------------------------------------------------------- feedback
+    def feedback(self, kind: str, results: Sequence[tuple[Sequence[float], int, int, bool]]) -> None:
+        """The verify step just run: ``kind`` of the step that proposed, and per request
+        ``(confidences, verified, accepted, sampled)``."""
+        seen = [(c, v, a, s) for c, v, a, s in results if v > 0]
+        if not seen:
+            return
+        first = self.calibrator.levels()[:, 0]  # what was expected of these drafts' first positions
+        for conf, verified, accepted, sampled in seen:
+            self.calibrator.observe(conf, verified, accepted, sampled)
+        accepted_any = any(a > 0 for _, _, a, _ in seen)
+        t = self.trust
+        if kind == "probe":
+            if accepted_any:  # the probe came back accepted: look again sooner
+                self.counters["probes_accepted"] += 1
+                self.period = max(max(1, t.probe_period), self.period // 2)
+                self.wait = min(self.wait, self.period)
+                if self.state == "blocked":
+                    self.state, self.wait = "waiting", 1
+                    self.counters["unblocks"] += 1
+            else:  # the probe came back rejected (its feedback arrives the step after it): wait longer
+                self.period = min(max(1, t.probe_max_period), self.period * 2)
+                self.wait = self.period
+        elif kind == "draft":
+            if accepted_any:
+                self.reject_steps, self.surprise = 0, 0.0
+            else:
+                self.reject_steps += 1
+                self.surprise += float(sum(-np.log(max(1e-9, 1.0 - first[int(s)])) for _, _, _, s in seen))
+            # Stop after reject_run such steps, or sooner once the run was unlikely (< 1 %) under the
+            # measured acceptance: one step at batch 32, two at batch 1 after 90 % acceptance.
+            run_over = self.reject_steps >= t.reject_run or self.surprise >= STOP_SURPRISE
+            if t.reject_run > 0 and run_over and self.state != "blocked":
+                self.state, self.reject_steps, self.surprise = "blocked", 0, 0.0
+                self.period = max(1, t.probe_period)
+                self.wait = self.period
+                self.counters["stops"] += 1
+
+    # -------------------------------------------------------------- decisions
+    def level_survival(self, sampled: np.ndarray, *, optimistic: bool = False) -> np.ndarray:
+        """[R, N] survival per request from the measured levels of its mode (or their upper bound)."""
+        lv = self.calibrator.levels_optimistic() if optimistic else self.calibrator.levels()
+        return survival(lv[np.asarray(sampled, dtype=np.int64)])
+
+    def _pays(self, surv: np.ndarray, caps: Sequence[int]) -> bool:
+        assert self.costs is not None
+        return allocate(surv, caps, self.costs, margin=self.margin).draft_pays
+
+    def _grow(self) -> None:
+        self.period = min(max(1, self.trust.probe_max_period), self.period * 2)
+
+    def plan(self, caps: Sequence[int], sampled: np.ndarray) -> Plan:
+        """The next step's plan (called after :meth:`feedback`)."""
+        r = len(caps)
+        if r == 0 or max(caps, default=0) <= 0 or self.costs is None:
+            return SKIP
+        # Probe credit, in seconds: PROBE_BURST probes at any load, then probe_overhead of the time.
+        cost = self._probe_cost(r)
+        if self.credit is None:
+            self.credit = PROBE_BURST * cost
+        self.credit = min(self.credit + self.trust.probe_overhead * float(self.costs.verify_time(r)),
+                          max(self.credit, PROBE_BURST * cost))
+        if self.state == "drafting":
+            if self.draft_pays_next:
+                return DRAFT
+            self.state = "waiting"  # the allocation's forecast says the next drafting step will not pay
+            self._grow()
+            self.wait, self.wait_batch = self.period, r
+        if self.wait_batch and not (self.wait_batch / 2 <= r <= self.wait_batch * 2):
+            self.wait = 0  # the load changed: look again now
+        self.wait -= 1
+        if self.wait > 0:
+            return SKIP
+        self.wait, self.wait_batch = self.period, r
+        if self.state == "waiting":
+            self.counters["full_checks"] += 1
+            if self._pays(self.level_survival(sampled), caps):
+                self.state = "drafting"
+                return DRAFT
+        return self._probe(caps, sampled, cost)
+
+    def _probe_rows(self, caps: Sequence[int]) -> tuple[int, ...]:
+        eligible = [i for i, c in enumerate(caps) if c > 0]
+        take = min(len(eligible), self.trust.probe_requests)
+        start = self._cursor % len(eligible)
+        return tuple(sorted(eligible[(start + j) % len(eligible)] for j in range(take)))
+
+    def _probe_cost(self, r: int) -> float:
+        """Seconds a probe adds to a plain step of ``r`` requests (drafter priced as a full draft step)."""
+        assert self.costs is not None
+        extra = min(r, self.trust.probe_requests) * self.trust.probe_tokens
+        return float(self.costs.draft_time(r) + self.costs.verify_time(r + extra) - self.costs.verify_time(r))
+
+    def _probe(self, caps: Sequence[int], sampled: np.ndarray, cost: float) -> Plan:
+        t = self.trust
+        k = min(t.probe_tokens, max(caps))
+        if k <= 0 or t.probe_requests <= 0:
+            return SKIP
+        # Probe while the acceptance could still be high enough to pay (its upper bound pays) and
+        # the credit allows; otherwise look again later (sooner if the batch size changes).
+        if self.credit is None or self.credit < cost:
+            return SKIP
+        if not self._pays(self.level_survival(sampled, optimistic=True), caps):
+            self._grow()
+            self.wait = self.period
+            return SKIP
+        self.credit -= cost
+        rows = self._probe_rows(caps)
+        self._cursor += len(rows)
+        self.counters["probes"] += 1
+        return Plan("probe", rows, k)
+
+    def choose(self, conf: np.ndarray, caps: Sequence[int], sampled: np.ndarray) -> Allocation:
+        """A drafting step's allocation (and whether the next step should draft)."""
+        assert self.costs is not None
+        surv = survival(self.calibrator.calibrate(conf, sampled))
+        alloc = allocate(surv, caps, self.costs, margin=self.margin)
+        self.draft_pays_next = alloc.draft_pays
+        if alloc.draft_pays:
+            self.period = max(1, self.trust.probe_period)
+        return alloc
+
+    def probe_kept(self, plan: Plan, caps: Sequence[int]) -> list[int]:
+        rows = set(plan.rows)
+        return [min(plan.tokens, int(c)) if i in rows else 0 for i, c in enumerate(caps)]
+
+    def report(self) -> dict:
+        return {"state": self.state, "period": self.period, "wait": self.wait, "reject_steps": self.reject_steps,
+                "credit_s": self.credit, **self.counters, "trust": dict(self.trust.__dict__)}

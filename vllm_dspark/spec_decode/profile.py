@@ -1,15 +1,36 @@
 """Start-up cost profile of the budget: target verify time by batch tokens, drafter time by requests.
 
 Runs once when the engine is warm (the worker patch calls
-``DSparkProposer.on_engine_ready``), a few seconds on a small model: the
-target's forward on dummy batches of 1, 2, 4, ... tokens up to the largest
-verify batch the scheduler can build, and the drafter's block forward plus
-its sequential stage for 1, 2, 4, ... requests. The result is cached on disk
-(``<cache>/budget/<key>.json``, the key covering the models, dtype, device,
-thread count and batch limits), so later starts load it;
-``VLLM_DSPARK_PROFILE_CACHE=0`` always re-profiles. Online corrections
-(:class:`~vllm_dspark.spec_decode.budget.CostModel`) track the machine's load
-afterwards.
+``DSparkProposer.on_engine_ready``): the target's forward on dummy batches of
+1, 2, 4, ... tokens up to the largest verify batch the scheduler can build
+(at most :data:`PROFILE_MAX_TOKENS`), and the drafter's block forward plus its
+sequential stage for 1, 2, 4, ... requests (at most
+:data:`PROFILE_MAX_REQUESTS`). Each point is the fastest of
+:data:`PROFILE_REPS` timed runs after one untimed run (the fastest, because
+noise on a shared machine only ever adds time); points that take
+:data:`PROFILE_LONG_S` or more get two runs. That is 9 verify and 6 draft sizes
+at most. Measured on the 2-core CPU machine (float32, under other load):
+0.24 s for the tiny test pairs, 5.1 s for SmolLM2-135M with the default
+drafter (max_num_seqs 64); loading a cached profile with its spot check 0.3 s.
+
+The result is cached on disk (``<cache>/budget/<key>.json``, the key covering
+the models, dtype, device, thread count and batch limits), so later starts
+load it; ``VLLM_DSPARK_PROFILE_CACHE=0`` always re-profiles. A cached profile
+is not trusted blindly:
+
+* at load, a **spot check** times the 1-token verify step and the 1-request
+  draft step again (8 dummy runs); when either differs from the cache by more
+  than :data:`SPOT_TOLERANCE` x, the profile is taken again (the cached one was
+  taken while the machine was busy, or on another state of it);
+* while serving, the online corrections
+  (:class:`~vllm_dspark.spec_decode.budget.CostModel`) track the machine's load;
+  when one stays far from 1 for long (:attr:`CostModel.stale`), the proposer
+  drops the cache entry (:func:`drop_cached`), so the next start profiles again.
+
+Under tensor parallelism every dummy run is a collective, so the deciding
+rank's cache lookup, its spot-check verdict and its measured cost model are
+broadcast (:mod:`.consensus`) before anything runs: all ranks load, or all
+ranks profile, and all use the same model.
 """
 
 from __future__ import annotations
@@ -18,25 +39,36 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import time
+from pathlib import Path
 
 import torch
 
 from vllm_dspark.cache import cache_dir
 from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.consensus import Consensus
 
 logger = logging.getLogger("vllm_dspark")
 
+PROFILE_MAX_TOKENS = 256
+PROFILE_MAX_REQUESTS = 32
+PROFILE_REPS = 3
+PROFILE_LONG_S = 0.1
+SPOT_TOLERANCE = 2.0
 
-def _time(fn, reps: int = 3) -> float:
-    fn()  # warm
-    out = []
-    for _ in range(reps):
+
+def _time(fn, reps: int = PROFILE_REPS, scale: float = 1.0, long_s: float = PROFILE_LONG_S) -> float:
+    """The fastest of ``reps`` timed runs after an untimed one; a point whose first run takes
+    ``long_s`` or more gets one more run only (the fastest of those two)."""
+    def once() -> float:
         t0 = time.perf_counter()
         fn()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+        return time.perf_counter() - t0
+
+    first = once()
+    if first >= long_s:
+        return min(first, once()) * scale
+    return min(once() for _ in range(reps)) * scale
 
 
 def _key(proposer) -> str:
@@ -51,54 +83,129 @@ def _key(proposer) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
-PROFILE_MAX_TOKENS = 512
-PROFILE_MAX_REQUESTS = 64
+def cache_path(proposer) -> Path:
+    return cache_dir() / "budget" / f"{_key(proposer)}.json"
 
 
-def profile(proposer) -> B.CostModel:
-    runner = proposer.runner
+def _verify_fn(proposer, n: int):
+    return lambda: proposer.runner._dummy_run(n, force_attention=True)
+
+
+def _draft_fn(proposer, r: int):
+    from vllm_dspark.ops import markov_draft
+
+    mw = proposer.model.markov
+    nq = r * proposer.block
+
+    def run():
+        proposer.dummy_run(nq, use_cudagraphs=False)
+        h = proposer.hidden_states[:nq]
+        base = proposer.model.compute_logits(h)[:, : mw.vocab].reshape(r, proposer.n_draft, mw.vocab)
+        markov_draft(base, torch.zeros(r, dtype=torch.int64, device=base.device), mw.markov_w1,
+                     mw.markov_w2, mw.w2_row_norms)
+    return run
+
+
+def profile(proposer, draft_scale: float = 1.0) -> B.CostModel:
     vc = proposer.vllm_config
     max_seqs = int(vc.scheduler_config.max_num_seqs)
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
-    # Dummy batches past these sizes crashed vLLM 0.32's CPU attention kernel (a segfault in
-    # cpu_attn's GEMM during warm-up; seen with max_num_seqs 256, 8K batched tokens). Beyond the
-    # last profiled point the cost model extrapolates linearly and the online EMA corrects it.
+    # Dummy batches past 512 tokens / 64 requests crashed vLLM 0.32's CPU attention kernel (a
+    # segfault in cpu_attn's GEMM during warm-up; seen with max_num_seqs 256, 8K batched tokens),
+    # and the points past 256 / 32 took most of the profile's time. Beyond the last profiled point
+    # the cost model extrapolates linearly (compute-bound) and the online EMA corrects it.
     max_verify = min(max_verify, PROFILE_MAX_TOKENS)
     max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
-    verify = []
-    for n in B.profile_sizes(max_verify):
-        verify.append((n, _time(lambda n=n: runner._dummy_run(n, force_attention=True))))
-    draft = []
-    mw = proposer.model.markov
-    from vllm_dspark.ops import markov_draft
-
-    for r in B.profile_sizes(max_seqs):
-        nq = r * proposer.block
-
-        def run(nq=nq, r=r):
-            proposer.dummy_run(nq, use_cudagraphs=False)
-            h = proposer.hidden_states[:nq]
-            base = proposer.model.compute_logits(h)[:, : mw.vocab].reshape(r, proposer.n_draft, mw.vocab)
-            markov_draft(base, torch.zeros(r, dtype=torch.int64, device=base.device), mw.markov_w1,
-                         mw.markov_w2, mw.w2_row_norms)
-        draft.append((r, _time(run)))
+    verify = [(n, _time(_verify_fn(proposer, n))) for n in B.profile_sizes(max_verify)]
+    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale)) for r in B.profile_sizes(max_seqs)]
     return B.CostModel(verify=verify, draft=draft, source="start-up profile")
 
 
-def profile_or_load(proposer) -> B.CostModel:
-    path = cache_dir() / "budget" / f"{_key(proposer)}.json"
-    use_cache = os.environ.get("VLLM_DSPARK_PROFILE_CACHE", "1") != "0"
-    if use_cache and path.is_file():
-        cached = B.load_cached(path)
-        if cached is not None:
-            return cached
+def spot_check(proposer, draft_scale: float = 1.0) -> dict[str, float]:
+    """The 1-token verify step and the 1-request draft step, timed now (every rank runs both)."""
+    return {"verify_1": _time(_verify_fn(proposer, 1)), "draft_1": _time(_draft_fn(proposer, 1), scale=draft_scale)}
+
+
+def judge_spot_check(cached: B.CostModel, spot: dict[str, float], tolerance: float | None = None) -> str | None:
+    """Why the cached profile is stale (None: it still describes this machine)."""
+    tolerance = SPOT_TOLERANCE if tolerance is None else tolerance
+    for name, want in (("verify_1", float(cached.verify_time(1))), ("draft_1", cached.draft_time(1))):
+        got = spot[name]
+        ratio = got / max(want, 1e-12)
+        if not 1.0 / tolerance <= ratio <= tolerance:
+            return f"{name} took {got * 1e3:.2f} ms now and {want * 1e3:.2f} ms in the cached profile"
+    return None
+
+
+def _lookup(path: Path, use_cache: bool, hook: dict) -> dict | None:
+    if hook.get("cached_costs") is not None:
+        return dict(hook["cached_costs"])
+    if not (use_cache and path.is_file()):
+        return None
+    m = B.load_cached(path)
+    return None if m is None else m.to_dict()
+
+
+def drop_cached(path: str | Path | None) -> bool:
+    """Remove a cached profile (the next start profiles again); True if one was removed."""
+    if not path:
+        return False
+    try:
+        Path(path).unlink()
+        return True
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        logger.warning("vllm_dspark: could not drop the cached cost profile %s (%s)", path, exc)
+        return False
+
+
+def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | None = None) -> B.CostModel:
+    """The budget's cost model, the same on every rank (see the module docstring).
+
+    ``proposer.profile_info`` records what happened here: this rank's own cache
+    lookup, the agreed decision, the spot check and the seconds it all took.
+    """
+    cons = consensus or Consensus()
+    hook = hook or {}
+    scale = float(hook.get("draft_time_scale", 1.0))
     t0 = time.perf_counter()
-    model = profile(proposer)
-    logger.info("vllm_dspark: profiled the budget's costs in %.1f s", time.perf_counter() - t0)
-    if use_cache:
-        try:
-            B.save_cached(path, model)
-            model.source = f"start-up profile, cached at {path}"
-        except OSError as exc:
-            logger.warning("vllm_dspark: could not cache the cost profile at %s (%s)", path, exc)
+    path = cache_path(proposer)
+    use_cache = os.environ.get("VLLM_DSPARK_PROFILE_CACHE", "1") != "0"
+    local = _lookup(path, use_cache, hook)
+    info: dict = {"local_cache_hit": local is not None, "rank": cons.rank}
+    # 1. Is there a cached profile? The deciding rank's answer, before any dummy run.
+    cached = cons.decide(lambda: local)
+    model: B.CostModel | None = None
+    if cached is not None:
+        candidate = B.CostModel.from_dict(cached, source=f"cache {path}")
+        # 2. Does it still describe this machine? Every rank runs the spot check; the decider judges.
+        spot = spot_check(proposer, scale)
+        why = cons.decide(lambda: judge_spot_check(candidate, spot))
+        info.update(spot_check={k: round(v, 6) for k, v in spot.items()}, stale_at_load=why)
+        if why is None:
+            model = candidate
+            model.cache_path = str(path) if use_cache else None
+            info["decision"] = "loaded"
+        else:
+            logger.warning("vllm_dspark: the cached cost profile %s is stale (%s); profiling again", path, why)
+    if model is None:
+        # 3. Profile: every rank together (dummy runs are collectives); the decider's numbers win.
+        measured = profile(proposer, scale)
+        agreed = cons.decide(lambda: measured.to_dict())
+        model = B.CostModel.from_dict(agreed, source="start-up profile")
+        info["decision"] = "profiled"
+        info["local_verify_1"], info["local_draft_1"] = measured.verify[0][1], measured.draft[0][1]
+        if use_cache and cons.is_decider:
+            try:
+                B.save_cached(path, model)
+                model.source = f"start-up profile, cached at {path}"
+                model.cache_path = str(path)
+            except OSError as exc:
+                logger.warning("vllm_dspark: could not cache the cost profile at %s (%s)", path, exc)
+        elif use_cache:
+            model.source = "start-up profile (cached by TP rank 0)"
+    info["seconds"] = round(time.perf_counter() - t0, 3)
+    logger.info("vllm_dspark: budget cost model %s in %.1f s (%s)", info["decision"], info["seconds"], model.source)
+    proposer.profile_info = info
     return model

@@ -31,6 +31,7 @@ Settings come from one :class:`~vllm_dspark.serving.settings.DSparkSettings`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -46,6 +47,7 @@ from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power
 
 from vllm_dspark.serving.settings import DSparkSettings, settings_of
 from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.overrides import check_couplings
 from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
 
@@ -77,14 +79,20 @@ class DSparkProposer(DFlashProposer):
         self.n_draft = s.num_draft_tokens
         self.anchor_first = s.query_layout == "anchor_first"
         self.stats = VerifyStats()
-        self.calibrator = B.Calibrator(self.n_draft)
-        self.survival_profile = B.SurvivalProfile(self.n_draft)
+        self.policy = B.BudgetPolicy(self.n_draft, B.TrustConfig(**s.trust()))
+        self.calibrator = self.policy.calibrator
         self.costs: B.CostModel | None = None
         if s.costs is not None:
             self.costs = B.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
-        self._draft_next = True
-        self._skipped_in_row = 0
+            self.policy.costs = self.costs
+        # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
+        self.consensus = Consensus()
+        self._hook: dict | None = None  # the TP test's divergence hook, read once the TP group exists
+        self.profile_info: dict | None = None
+        seed = getattr(getattr(vllm_config, "model_config", None), "seed", None)
+        self._seed_base = int(seed) if seed is not None else 0
         self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
+        self._prev_kind = "skip"  # the plan of the step whose drafts _prev holds
         self._last_end: float | None = None
         self._last_log = time.monotonic()
         self._step = 0
@@ -106,7 +114,8 @@ class DSparkProposer(DFlashProposer):
             return
         from vllm_dspark.spec_decode.profile import profile_or_load
 
-        self.costs = profile_or_load(self)
+        self.costs = profile_or_load(self, self.consensus, self._divergence())
+        self.policy.costs = self.costs
         logger.info("vllm_dspark: budget cost model (%s): verify %s s by tokens, draft %s s by requests",
                     self.costs.source, [(n, round(t, 4)) for n, t in self.costs.verify],
                     [(n, round(t, 4)) for n, t in self.costs.draft])
@@ -169,6 +178,10 @@ class DSparkProposer(DFlashProposer):
         self._feedback(req_ids, cad, num_rejected_tokens_gpu, t0)
         cap = max(0, min(self.settings.max_draft_tokens, int(num_speculative_tokens)))
         self._last_draft_probs = None
+        gated = self._context_gate(cad, batch)
+        caps = [0 if g else cap for g in gated]
+        sampled = self._sampled_requests(sampling_metadata, batch).numpy()
+        plan = self._plan(caps, sampled)
         t1 = time.perf_counter()
         tm["feedback"] += t1 - t0
 
@@ -176,11 +189,9 @@ class DSparkProposer(DFlashProposer):
         num_query, sample_rows, block_cad = self.set_inputs_first_pass(
             target_token_ids, next_token_ids, target_positions, hidden, token_indices_to_sample, cad,
             num_rejected_tokens_gpu)
-        gated = self._context_gate(cad, batch)
-        run_block = cap > 0 and self._draft_next and not all(gated)
         t2 = time.perf_counter()
         tm["layout"] += t2 - t1
-        if not run_block:
+        if plan.mode == "skip":
             # The drafter's K/V of this step's tokens must still be written, or later drafts would
             # read a context with holes in it; the block forward and the Markov stage are skipped.
             n = self._dflash_num_context
@@ -189,8 +200,7 @@ class DSparkProposer(DFlashProposer):
                 self._context_slot_mapping_buffer[:n])
             tm["context_kv_only"] += time.perf_counter() - t2
             self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
-            self._prev = {}
-            self._after_skip(batch, cap)
+            self._prev, self._prev_kind = {}, "skip"
             self._last_end = time.perf_counter()
             self._maybe_log()
             return [[] for _ in range(batch)]
@@ -207,24 +217,46 @@ class DSparkProposer(DFlashProposer):
         t3 = time.perf_counter()
         tm["block_forward"] += t3 - t2
 
-        tokens, conf, probs, sampled = self._sequential_stage(rows, next_token_ids[:batch], sampling_metadata,
-                                                              batch, cad)
-        t4 = time.perf_counter()
-        tm["markov_stage"] += t4 - t3
-        caps = [0 if g else cap for g in gated]
-        kept = self._verify(conf, caps, sampled, batch)
-        self.stats.add_step(drafted=True, cap=cap, kept=kept)
+        n = self.n_draft
+        if plan.mode == "probe":
+            # A probe drafts only its requests' first few positions: the LM head and the sequential
+            # stage run on those rows alone.
+            idx = list(plan.rows)
+            k = plan.tokens
+            sub = rows.view(batch, n, -1)[idx, :k].reshape(len(idx) * k, -1)
+            t_p, c_p, q_p = self._sequential_stage(sub, next_token_ids[:batch], sampling_metadata, idx, k,
+                                                   sampled, cad)
+            tokens = torch.zeros(batch, n, dtype=torch.int64, device=t_p.device)
+            conf = torch.zeros(batch, n, dtype=torch.float32, device=t_p.device)
+            tokens[idx, :k], conf[idx, :k] = t_p, c_p
+            probs = None
+            if q_p is not None:
+                probs = torch.zeros(batch, n, q_p.shape[-1], dtype=torch.float32, device=q_p.device)
+                probs[idx, :k] = q_p
+            t4 = time.perf_counter()
+            tm["markov_stage"] += t4 - t3
+            kept = self.policy.probe_kept(plan, caps)
+        else:
+            tokens, conf, probs = self._sequential_stage(rows, next_token_ids[:batch], sampling_metadata,
+                                                         list(range(batch)), n, sampled, cad)
+            t4 = time.perf_counter()
+            tm["markov_stage"] += t4 - t3
+            kept = self._verify(conf, caps, sampled)
+        self.stats.add_step(drafted=True, cap=cap, kept=kept, probe=plan.mode == "probe")
         conf_l = conf.tolist()
         tok_l = tokens.tolist()
         self._prev = {rid: (conf_l[i], kept[i], bool(sampled[i])) for i, rid in enumerate(req_ids) if kept[i] > 0}
+        self._prev_kind = plan.mode
         if probs is not None:
             self._last_draft_probs = probs
         if self.settings.trace_path:
             self._trace(req_ids, next_token_ids[:batch].tolist(), tok_l, conf_l, kept, sampled)
         end = time.perf_counter()
         tm["verify"] += end - t4
-        if self.costs is not None:
-            self.costs.observe_draft(batch, end - t0)
+        if self.costs is not None and plan.mode == "draft":
+            # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
+            self.costs.observe_draft(batch, (end - t2) * self._draft_time_scale())
+            self._check_stale()
         self._last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept)]
@@ -242,65 +274,111 @@ class DSparkProposer(DFlashProposer):
         lens = cad.seq_lens_cpu_upper_bound if cad.seq_lens_cpu_upper_bound is not None else cad.seq_lens
         return [int(x) > gate for x in lens[:batch].tolist()]
 
+    def _divergence(self) -> dict:
+        if self._hook is None:
+            self._hook = divergence_for_rank(self.consensus.rank)
+        return self._hook
+
+    def _draft_time_scale(self) -> float:
+        return float(self._divergence().get("draft_time_scale", 1.0))
+
+    def _plan(self, caps: list[int], sampled: np.ndarray) -> B.Plan:
+        """What this step runs, the same on every TP rank."""
+        if max(caps, default=0) <= 0:
+            return B.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
+        if self.settings.verification != "budget":
+            return B.DRAFT
+        if self.costs is None:
+            raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
+                               "hook did not run (is the vllm_dspark plugin registered in the worker?)")
+        wire = self.consensus.decide(lambda: self.policy.plan(caps, sampled).to_wire())
+        return B.Plan.from_wire(wire)
+
     def _feedback(self, req_ids, cad, num_rejected, t0) -> None:
         """Acceptance of the previous drafts, and the duration of the verify step that measured it."""
         if self.costs is not None and self._last_end is not None and cad.max_query_len <= self.block + 1:
             # Decode-only steps: the interval is the target's verify step (prefill chunks would skew it).
             self.costs.observe_verify(int(cad.num_actual_tokens), t0 - self._last_end)
+            self._check_stale()
         if not self._prev:
             return
         rej = num_rejected.tolist() if num_rejected is not None else None
-        records = []
+        records, results = [], []
         for i, rid in enumerate(req_ids):
             prev = self._prev.get(rid)
             if prev is None:
                 continue
             conf, kept, sampled = prev
             accepted = kept if rej is None else max(0, min(kept, kept - int(rej[i])))
-            self.calibrator.observe(conf, kept, accepted, sampled)
+            results.append((conf, kept, accepted, sampled))
             self.stats.add_acceptance(kept, accepted)
             if self.settings.trace_path:
                 records.append({"step": self._step, "req_id": rid, "verified": kept, "accepted": accepted,
-                                "confidence": conf[:kept], "sampled": sampled})
+                                "confidence": conf[:kept], "sampled": sampled, "kind": self._prev_kind})
+        # Every rank learns from the same acceptances; only the deciding rank's policy decides.
+        self.policy.feedback(self._prev_kind, results)
         if records:
             self._write_trace(records)
 
-    def _sequential_stage(self, rows, anchors, sampling_metadata, batch, cad):
-        """(tokens [R, N], conf [R, N], draft probs [R, N, V] or None, sampled [R] bool)."""
+    def _check_stale(self) -> None:
+        """A profile the online corrections keep disowning: drop its cache entry, fold the corrections in."""
+        costs = self.costs
+        if costs is None or not costs.stale or not self.consensus.is_decider:
+            return
+        from vllm_dspark.spec_decode.profile import drop_cached
+
+        dropped = drop_cached(costs.cache_path)
+        logger.warning(
+            "vllm_dspark: the budget's cost profile (%s) no longer matches this machine: measured steps took "
+            "%.2fx (verify) and %.2fx (draft) its times for %d steps in a row. %s; the measured corrections are "
+            "folded into the cost model.", costs.source, costs.scale_verify, costs.scale_draft,
+            max(costs.far_verify, costs.far_draft),
+            f"Dropped the cached profile {costs.cache_path}, so the next start profiles again" if dropped
+            else "Nothing cached to drop")
+        costs.cache_path = None
+        costs.rebase()
+
+    def _sequential_stage(self, rows, anchors, sampling_metadata, req_rows: list[int], n: int,
+                          sampled: np.ndarray, cad):
+        """Draft ``n`` positions for the batch rows ``req_rows`` from their hidden states ``rows``
+        ([len(req_rows) * n, H]): (tokens [r, n], conf [r, n], draft probs [r, n, V] or None)."""
         from vllm_dspark.ops import markov_draft
 
         model = self.model
         mw = model.markov if self.settings.use_markov else model.markov.without_bias()
-        n = self.n_draft
-        base = model.compute_logits(rows)[:, : mw.vocab].reshape(batch, n, mw.vocab)
+        r = len(req_rows)
+        base = model.compute_logits(rows)[:, : mw.vocab].reshape(r, n, mw.vocab)
         conf_base = mw.confidence_base(rows)
-        conf_base = None if conf_base is None else conf_base.view(batch, n)
-        sampled = self._sampled_requests(sampling_metadata, batch)
-        tokens = torch.empty(batch, n, dtype=torch.int64, device=base.device)
-        conf = torch.ones(batch, n, dtype=torch.float32, device=base.device)
+        conf_base = None if conf_base is None else conf_base.view(r, n)
+        sel = torch.tensor(req_rows, dtype=torch.int64)
+        anchors = anchors[sel.to(anchors.device)].to(torch.int64)
+        is_sampled = torch.from_numpy(np.asarray(sampled, dtype=bool)[req_rows].copy())
+        tokens = torch.empty(r, n, dtype=torch.int64, device=base.device)
+        conf = torch.ones(r, n, dtype=torch.float32, device=base.device)
         probs = None
-        greedy = ~sampled
+        greedy = ~is_sampled
         if bool(greedy.any()):
             idx = greedy.nonzero().flatten()
-            out = markov_draft(base[idx], anchors[idx].to(torch.int64), mw.markov_w1, mw.markov_w2,
+            out = markov_draft(base[idx], anchors[idx], mw.markov_w1, mw.markov_w2,
                                mw.w2_row_norms, None if conf_base is None else conf_base[idx],
                                mw.conf_w_markov, threshold=0.0, max_norms=mw.max_norms)
             tokens[idx], conf[idx] = out.tokens, out.conf
             self.last_markov_path = out.path
-        if bool(sampled.any()):
+        if bool(is_sampled.any()):
             from vllm_dspark.spec_decode.draft_sampling import sample_drafts
 
-            idx = sampled.nonzero().flatten()
-            temps = sampling_metadata.temperature[:batch][idx].float()
-            top_k = sampling_metadata.top_k[:batch][idx] if sampling_metadata.top_k is not None else None
-            top_p = sampling_metadata.top_p[:batch][idx] if sampling_metadata.top_p is not None else None
-            seeds = self._draft_seeds(idx.tolist(), cad)
+            idx = is_sampled.nonzero().flatten()
+            batch_idx = sel[idx]
+            temps = sampling_metadata.temperature[batch_idx].float()
+            top_k = sampling_metadata.top_k[batch_idx] if sampling_metadata.top_k is not None else None
+            top_p = sampling_metadata.top_p[batch_idx] if sampling_metadata.top_p is not None else None
+            seeds = self._draft_seeds(batch_idx.tolist(), cad)
             t_s, c_s, q_s = sample_drafts(base[idx], anchors[idx], mw, temps, seeds,
                                           None if conf_base is None else conf_base[idx], top_k=top_k, top_p=top_p)
             tokens[idx], conf[idx] = t_s, c_s
-            probs = torch.zeros(batch, n, mw.vocab, dtype=torch.float32, device=base.device)
+            probs = torch.zeros(r, n, mw.vocab, dtype=torch.float32, device=base.device)
             probs[idx] = q_s
-        return tokens, conf, probs, sampled.cpu().numpy()
+        return tokens, conf, probs
 
     def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
         temps = getattr(sampling_metadata, "temperature", None)
@@ -310,45 +388,31 @@ class DSparkProposer(DFlashProposer):
         return (temps[:batch] > 0).cpu()
 
     def _draft_seeds(self, rows: list[int], cad) -> torch.Tensor:
-        """Gumbel seeds: a seeded request's own seed mixed with its anchor position (reproducible
-        alone or in any batch, and independent of the target's sampling stream); others random."""
-        seeds = torch.randint(0, 2 ** 62, (len(rows),), dtype=torch.int64)
-        if self.runner is None:
-            return seeds
-        positions = (cad.seq_lens[: cad.batch_size()].to(torch.int64)).tolist()
-        for k, r in enumerate(rows):
-            rid = self.runner.input_batch.req_ids[r]
-            state = self.runner.requests.get(rid)
+        """Gumbel seeds, a function of data every TP rank holds alike (never drawn from a generator):
+        a seeded request's own seed mixed with its anchor position (reproducible alone or in any batch,
+        and independent of the target's sampling stream); an unseeded one's id, position and the
+        engine's seed."""
+        positions = cad.seq_lens[: cad.batch_size()].to(torch.int64).tolist()
+        out = []
+        for r in rows:
+            rid = self.runner.input_batch.req_ids[r] if self.runner is not None else str(r)
+            state = self.runner.requests.get(rid) if self.runner is not None else None
             seed = getattr(getattr(state, "sampling_params", None), "seed", None)
             if seed is not None:
-                seeds[k] = (int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32)
-        return seeds
+                out.append((int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32))
+            else:
+                out.append(_unseeded_draft_seed(self._seed_base, str(rid), int(positions[r])))
+        return torch.tensor(out, dtype=torch.int64)
 
-    def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray, batch: int) -> list[int]:
+    def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray) -> list[int]:
         s = self.settings
         c = conf.cpu().numpy().astype(np.float64)
         if s.verification != "budget":
-            self._draft_next = True
-            return rule_lengths(c, caps, s.verification, s.threshold)
-        if self.costs is None:
-            raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
-                               "hook did not run (is the vllm_dspark plugin registered in the worker?)")
-        surv = B.survival(self.calibrator.calibrate(c, sampled))
-        self.survival_profile.update(surv)
-        alloc = B.allocate(surv, caps, self.costs)
-        self._draft_next = alloc.draft_pays
-        self._skipped_in_row = 0
-        return alloc.kept
-
-    def _after_skip(self, batch: int, cap: int) -> None:
-        """Decide whether the next step drafts, from the typical survival profile at this batch size."""
-        if self.settings.verification != "budget" or self.costs is None:
-            self._draft_next = True
-            return
-        self._skipped_in_row += 1
-        # Re-probe now and then so the survival profile and calibration keep up with the workload.
-        probe = self._skipped_in_row % 32 == 0
-        self._draft_next = probe or B.forecast_pays(self.survival_profile.value, batch, cap, self.costs)
+            # A function of the confidences alone; the decider's list is still what every rank keeps,
+            # so the ranks' feedback and counters cannot drift apart by a rounding difference.
+            kept = rule_lengths(c, caps, s.verification, s.threshold)
+            return kept if s.verification == "fixed" else list(self.consensus.decide(lambda: kept))
+        return list(self.consensus.decide(lambda: self.policy.choose(c, caps, sampled).kept))
 
     # ------------------------------------------------------------------ observability
     def _trace(self, req_ids, anchors, tokens, conf, kept, sampled) -> None:
@@ -377,12 +441,21 @@ class DSparkProposer(DFlashProposer):
 
     def report(self) -> dict:
         """Counters, calibration and the cost model (for tests, benchmarks and ``collective_rpc``)."""
+        c = self.costs
         return {"stats": self.stats.as_dict(), "calibration": self.calibrator.table(),
                 "timings_s": dict(self.timings),
-                "costs": None if self.costs is None else {**self.costs.to_dict(),
-                                                          "scale_verify": self.costs.scale_verify,
-                                                          "scale_draft": self.costs.scale_draft},
-                "settings": self.settings.to_dict()}
+                "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
+                                                 "scale_draft": c.scale_draft, "rebased": c.rebased,
+                                                 "cache_path": c.cache_path},
+                "policy": self.policy.report(), "consensus": self.consensus.report(),
+                "profile": self.profile_info, "settings": self.settings.to_dict()}
+
+
+def _unseeded_draft_seed(base: int, req_id: str, position: int) -> int:
+    """A 62-bit draft seed from the engine's seed, the request id and the anchor position (the same
+    on every rank and in every process: no Python ``hash``, whose salt differs per process)."""
+    digest = hashlib.blake2b(f"{base}:{req_id}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2 ** 62 - 1)
 
 
 def _replace(s: DSparkSettings, **kw) -> DSparkSettings:

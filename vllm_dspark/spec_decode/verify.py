@@ -60,11 +60,12 @@ def rule_lengths(conf: np.ndarray, caps: Sequence[int], rule: str, t: float) -> 
 class VerifyStats:
     """What the verification rule kept, and what the target then accepted (thread-safe counters)."""
 
-    FIELDS = ("steps", "steps_drafted", "steps_skipped", "requests", "tokens_drafted", "tokens_admitted",
-              "empty_drafts", "tokens_verified_observed", "tokens_accepted")
+    FIELDS = ("steps", "steps_drafted", "steps_probed", "steps_skipped", "requests", "tokens_drafted",
+              "tokens_admitted", "empty_drafts", "tokens_verified_observed", "tokens_accepted")
     # Set to 0 for each name in FIELDS by __init__ (declared here for type checkers).
     steps: int
-    steps_drafted: int
+    steps_drafted: int  # the drafter ran: full drafting steps and probes
+    steps_probed: int  # of which probes (a few requests' first drafts only)
     steps_skipped: int
     requests: int
     tokens_drafted: int
@@ -78,13 +79,19 @@ class VerifyStats:
         for f in self.FIELDS:
             setattr(self, f, 0)
 
-    def add_step(self, *, drafted: bool, cap: int, kept: Sequence[int]) -> None:
+    def add_step(self, *, drafted: bool, cap: int, kept: Sequence[int], probe: bool = False) -> None:
         with self._lock:
             self.steps += 1
             if not drafted:
                 self.steps_skipped += 1
                 return
             self.steps_drafted += 1
+            if probe:  # only the probed requests drafted, and only what they verify
+                self.steps_probed += 1
+                self.requests += sum(1 for k in kept if k > 0)
+                self.tokens_drafted += int(sum(kept))
+                self.tokens_admitted += int(sum(kept))
+                return
             self.requests += len(kept)
             self.tokens_drafted += cap * len(kept)
             self.tokens_admitted += int(sum(kept))
@@ -105,5 +112,5 @@ class VerifyStats:
         acc = d["tokens_accepted"] / d["tokens_verified_observed"] if d["tokens_verified_observed"] else 0.0
         return (f"DSpark verification ({mode}): admitted {d['tokens_admitted']}/{d['tokens_drafted']} drafted "
                 f"tokens ({adm:.1%}), {d['empty_drafts']} empty drafts, {d['steps_skipped']}/{d['steps']} steps "
-                f"without drafting; accepted {d['tokens_accepted']}/{d['tokens_verified_observed']} verified "
-                f"draft tokens ({acc:.1%})")
+                f"without drafting, {d['steps_probed']} probes; accepted {d['tokens_accepted']}/"
+                f"{d['tokens_verified_observed']} verified draft tokens ({acc:.1%})")
