@@ -4,16 +4,23 @@
     bash scripts/setup_env.sh && .venv/bin/python scripts/demo.py
 
 Serves the default pair (``vllm-dspark default``: the target converted from its
-GGUF by setup, the DSpark drafter shipped in the package) with
-``LLM.generate``: once without speculation and once with DSpark, on chat
-prompts from the held-out evaluation set, greedy, batch 1. Prints a few
-answers, the mean acceptance length, per-position acceptance, the tokens/s of
-both engines measured here, and whether the greedy outputs are identical.
+GGUF by setup, the DSpark drafter shipped in the package) with ``LLM.generate``
+on held-out chat prompts, greedy, batch 1, each answer running to the end of
+the assistant's turn (capped at ``--max-tokens``):
 
-Serving dtype: float32 (the default here). On this target, greedy bf16 at batch 1 is
-not bit-identical between a 1-token decode step and an 8-token verify step
-(the CPU GEMMs of M = 1 and M = 8 round differently, so a near-tie can flip);
-float32, and bf16 at batch 16, are. ``--dtype bfloat16`` shows it.
+1. **Speed, in bf16** (the dtype users run): a no-speculation engine and a
+   DSpark engine, both alive, measured ``--repeats`` times interleaved
+   (A B, B A, A B); the speed-up is the median of the per-repeat ratios, with
+   their spread.
+2. **Identity, in float32**: the same prompts through both engines in float32,
+   where a 1-token decode step and an 8-token verify step round alike, so the
+   greedy outputs must be token-identical. (In bf16 at batch 1 they need not
+   be: the CPU GEMMs of M = 1 and M = 8 round differently and a near-tie can
+   flip. bf16 at batch >= 16 is identical; the tests check both.)
+
+vLLM's INFO logs are quiet unless ``--verbose``. The CPU set-up vLLM recommends
+(tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/bench/cpu_setup.py``) is on
+unless ``--no-cpu-setup``.
 """
 
 from __future__ import annotations
@@ -30,11 +37,18 @@ sys.path.insert(0, str(ROOT))
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=6)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--show", type=int, default=3, help="answers to print")
+    ap.add_argument("--max-tokens", type=int, default=192, help="cap on each answer (it stops at end of turn)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--show", type=int, default=2, help="answers to print")
+    ap.add_argument("--skip-identity", action="store_true", help="skip the float32 identity check")
+    ap.add_argument("--no-cpu-setup", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="show vLLM's INFO logs")
     args = ap.parse_args()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm_dspark.bench import cpu_setup
+
+    cpu_setup.reexec_with(not args.no_cpu_setup)
+    if not args.verbose:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
     from vllm_dspark import default_pair as dp
@@ -46,35 +60,54 @@ def main() -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from vllm_dspark.bench.e2e import EngineConfig, Pair, dspark_spec, run_engine
+    from vllm_dspark.bench.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
     from vllm_dspark.training.chat_prompts import chat_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(paths["target"])
     questions = chat_eval_prompts(args.num_prompts)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
                for q in questions]
-    pair = Pair("smollm2", paths["target"], paths["draft"], None, {"chat": prompts}, dtype=args.dtype)
-    kw = dict(concurrencies=(1,), temperatures=(0.0,), max_tokens=args.max_tokens, log=lambda m: print(m, flush=True))
-    print(f"== DSpark on SmolLM2-135M-Instruct: {len(prompts)} held-out chat prompts, greedy, batch 1, "
-          f"{args.dtype} ==", flush=True)
-    base = run_engine(pair, EngineConfig("no-spec"), pair.datasets, **kw)[0]
-    dspark = run_engine(pair, EngineConfig("dspark", dspark_spec(paths["draft"])), pair.datasets, **kw)[0]
+    configs = [EngineConfig("no-spec"), EngineConfig("dspark", dspark_spec(paths["draft"]))]
+    machine = cpu_setup.describe()
+    print(f"== DSpark on SmolLM2-135M-Instruct: {len(prompts)} held-out chat prompts, greedy, batch 1 ==\n"
+          f"   {machine['cores']} cores, {machine['cpu']}, flags: {' '.join(machine['flags'])}"
+          + ("" if machine["native_bf16"] else "  (no native bf16: bf16 is emulated and slow here)"), flush=True)
 
-    print("\n-- answers (DSpark) --")
-    for q, ids in list(zip(questions, dspark["outputs"]))[: args.show]:
+    def quiet(msg: str) -> None:
+        if args.verbose:
+            print(msg, flush=True)
+
+    print(f"-- speed: bfloat16, {args.repeats} interleaved repeats (two engines start first; about a minute)",
+          flush=True)
+    speed = {r["config"]: r for r in run_interleaved(
+        Pair("smollm2", paths["target"], paths["draft"], None, {"chat": prompts}, dtype="bfloat16"), configs,
+        {"chat": prompts}, max_tokens=args.max_tokens, repeats=args.repeats, log=quiet)}
+    same = None
+    if not args.skip_identity:
+        print("-- identity: float32, one pass each", flush=True)
+        ident = {r["config"]: r for r in run_interleaved(
+            Pair("smollm2", paths["target"], paths["draft"], None, {"chat": prompts}, dtype="float32"), configs,
+            {"chat": prompts}, max_tokens=args.max_tokens, repeats=1, log=quiet)}
+        same = [a == b for a, b in zip(ident["dspark"]["outputs"], ident["no-spec"]["outputs"], strict=True)]
+
+    ds, base = speed["dspark"], speed["no-spec"]
+    print("\n-- answers (DSpark, bf16) --")
+    for q, ids in list(zip(questions, ds["outputs"]))[: args.show]:
         print(f">>> {q}\n{tok.decode(ids, skip_special_tokens=True).strip()}\n")
-    same = [a == b for a, b in zip(dspark["outputs"], base["outputs"])]
-    per_pos = " ".join(f"{a:.2f}" for a in dspark["per_position_acceptance"])
-    speedup = dspark["tokens_per_s"] / base["tokens_per_s"]
-    print("-- results --")
-    print(f"greedy outputs identical to no speculation: {sum(same)}/{len(same)} ({args.dtype})")
-    if args.dtype == "bfloat16" and not all(same):
-        print("  (expected in bf16 at batch 1: decode and verify steps round differently; run --dtype float32)")
-    print(f"mean acceptance length:     {dspark['mean_acceptance_length']:.2f} (ceiling 8)")
-    print(f"per-position acceptance:    {per_pos}")
-    print(f"tokens/s, batch 1:          no speculation {base['tokens_per_s']:.1f}, DSpark {dspark['tokens_per_s']:.1f} "
-          f"({speedup:.2f}x, measured in this run)")
-    return 0 if (all(same) or args.dtype == "bfloat16") else 1
+    lo, hi = ds["speedup_spread"]
+    per_pos = " ".join(f"{a:.2f}" for a in ds["per_position_acceptance"])
+    mean_len = sum(len(o) for o in ds["outputs"]) / len(ds["outputs"])
+    print("-- results (measured in this run) --")
+    print(f"| {'':24} | {'no speculation':>14} | {'DSpark':>10} |")
+    print(f"|{'-' * 26}|{'-' * 16}|{'-' * 12}|")
+    print(f"| {'tokens/s (bf16, median)':24} | {base['tokens_per_s']:14.1f} | {ds['tokens_per_s']:10.1f} |")
+    print(f"| {'speed-up (median)':24} | {'1.00x':>14} | {ds['speedup_median']:9.2f}x |")
+    print(f"| {'speed-up spread':24} | {'':14} | {lo:.2f}-{hi:.2f}x |")
+    print(f"| {'mean acceptance length':24} | {'':14} | {ds['mean_acceptance_length']:10.2f} |")
+    print(f"per-position acceptance: {per_pos}; mean answer {mean_len:.0f} tokens")
+    if same is not None:
+        print(f"greedy outputs identical to no speculation (float32): {sum(same)}/{len(same)}")
+    return 0 if same is None or all(same) else 1
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """End-to-end measurements with vLLM: one engine per configuration, several workloads each.
 
 A "concurrency" C means C requests in flight: prompts are submitted in waves
-of C to one engine (``max_num_seqs`` >= C, every request runs to
-``max_tokens``), so C = 1 is plain sequential decoding. Every number comes from
+of C to one engine (``max_num_seqs`` >= C), so C = 1 is plain sequential
+decoding. Requests generate until the end of the assistant's turn (EOS), with
+``max_tokens`` as a cap: tokens a target writes after its own end of turn are
+repetitive and easy to draft, and would flatter every acceptance figure.
+``ignore_eos=True`` restores fixed-length generation (for step-time work). Every number comes from
 the same run; speed is reported as a ratio to the no-speculation engine
 measured in that run.
 """
@@ -163,8 +166,8 @@ def _inputs(prompts: list) -> list:
 
 
 def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, concurrencies=(1,),
-               temperatures=(0.0,), max_tokens: int = 64, prompts_per_cell=None, log=print,
-               max_num_seqs: int | None = None) -> list[dict]:
+               temperatures=(0.0,), max_tokens: int = 256, prompts_per_cell=None, log=print,
+               max_num_seqs: int | None = None, ignore_eos: bool = False) -> list[dict]:
     """Start one engine for ``cfg`` and measure every (dataset, concurrency, temperature) cell.
 
     ``prompts_per_cell(c)`` bounds the prompts of a cell (default: all); outputs of
@@ -195,7 +198,7 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
                     before = spec_metrics(llm)
                     rep0 = dspark_report(llm) if spec and spec.get("method") == "dspark" else None
                     params = SamplingParams(max_tokens=max_tokens, temperature=temp,
-                                            seed=1234 if temp > 0 else None, ignore_eos=True)
+                                            seed=1234 if temp > 0 else None, ignore_eos=ignore_eos)
                     outputs: list[list[int]] = []
                     start = time.perf_counter()
                     for i in range(0, len(cell), c):
@@ -219,3 +222,76 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
                         + (f", acceptance length {row['mean_acceptance_length']:.2f}"
                            if "mean_acceptance_length" in row else ""))
     return results
+
+
+def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
+                    temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
+                    log=print, kv_cache_gib: int = 2) -> list[dict]:
+    """Every configuration's engine alive at once; each cell measured ``repeats`` times, interleaved.
+
+    Per cell the engines run in turn (A B C, then B C A, ...), so drift of this
+    shared machine hits every configuration alike. A row holds each repeat's
+    tokens/s, their median (``tokens_per_s``) and spread, and, against the
+    no-spec engine, the median of the per-repeat speed-ups with their spread.
+    Acceptance counts cover all repeats; ``outputs`` are the first repeat's.
+    """
+    import contextlib
+    import statistics
+
+    from vllm import SamplingParams
+
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for cfg in configs:
+            t0 = time.monotonic()
+            engines[cfg.name] = stack.enter_context(llm_engine(
+                pair.target, speculative_config=cfg.speculative_config, env=dict(cfg.env), dtype=pair.dtype,
+                max_model_len=pair.max_model_len, max_num_seqs=max(concurrencies)))
+            log(f"[{cfg.name}] engine up in {time.monotonic() - t0:.0f} s")
+        warm = next(iter(datasets.values()))[:2]
+        for llm in engines.values():
+            llm.generate(_inputs(warm), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+        rows = []
+        for ds, prompts in datasets.items():
+            for temp in temperatures:
+                for c in concurrencies:
+                    cell = prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts
+                    params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=1234 if temp > 0 else None)
+                    before = {n: spec_metrics(e) for n, e in engines.items()}
+                    rates: dict[str, list[float]] = {n: [] for n in engines}
+                    outputs: dict[str, list] = {}
+                    tokens: dict[str, int] = {}
+                    names = list(engines)
+                    for rep in range(repeats):
+                        for name in names[rep % len(names):] + names[:rep % len(names)]:
+                            outs: list[list[int]] = []
+                            start = time.perf_counter()
+                            for i in range(0, len(cell), c):
+                                got = engines[name].generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
+                                outs += [list(o.outputs[0].token_ids) for o in got]
+                            seconds = time.perf_counter() - start
+                            n_tok = sum(len(t) for t in outs)
+                            rates[name].append(n_tok / seconds)
+                            outputs.setdefault(name, outs)
+                            tokens[name] = tokens.get(name, 0) + n_tok
+                    base = rates.get("no-spec")
+                    for name, cfg in ((n, next(c_ for c_ in configs if c_.name == n)) for n in names):
+                        r = rates[name]
+                        row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c,
+                               "temperature": temp, "requests": len(cell), "repeats": [round(x, 2) for x in r],
+                               "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+                               "output_tokens": tokens[name], "outputs": outputs[name]}
+                        if base is not None:
+                            ratios = [a / b for a, b in zip(r, base, strict=True)]
+                            row["speedup_median"] = statistics.median(ratios)
+                            row["speedup_spread"] = [min(ratios), max(ratios)]
+                        if cfg.speculative_config:
+                            row.update(acceptance_summary(_delta(spec_metrics(engines[name]), before[name])))
+                        rows.append(row)
+                        log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
+                            f"(repeats {', '.join(f'{x:.1f}' for x in r)})"
+                            + (f", speed-up {row['speedup_median']:.2f}x" if "speedup_median" in row else "")
+                            + (f", acceptance length {row['mean_acceptance_length']:.2f}"
+                               if "mean_acceptance_length" in row else ""))
+    return rows

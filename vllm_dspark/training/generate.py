@@ -107,6 +107,9 @@ def generate(target_dir: str | Path, conversations: Sequence[dict], out_dir: str
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(args.kv_cache_gib))
     # vLLM keeps one core for its engine process by default; generation is all target compute.
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # A paused run (SIGSTOP while a benchmark has the cores) must survive: vLLM's default 300 s
+    # execute_model timeout kills a paused engine.
+    os.environ.setdefault("VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS", str(7 * 24 * 3600))
     from tqdm import tqdm
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
