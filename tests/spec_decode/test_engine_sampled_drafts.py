@@ -53,7 +53,7 @@ def test_sampled_drafts_reproduce_and_are_accepted(engine, prompts):
     assert acceptance_summary(after)["num_drafts"] == after["num_drafts"]
 
 
-def test_greedy_and_sampled_requests_in_one_batch(engine, prompts):
+def test_greedy_and_sampled_requests_in_one_batch(engine, prompts, qwen_baseline):
     from vllm import SamplingParams
 
     llm, trace = engine
@@ -63,6 +63,9 @@ def test_greedy_and_sampled_requests_in_one_batch(engine, prompts):
     trace.unlink(missing_ok=True)
     outs = llm.generate(reqs, params)
     assert all(len(o.outputs[0].token_ids) == 16 for o in outs)
+    for i in range(1, 6, 2):  # the greedy rows are the target's own greedy tokens, sampled rows beside them
+        got = torch.tensor(list(outs[i].outputs[0].token_ids))
+        assert torch.equal(got, torch.tensor(qwen_baseline[i][:16])), f"greedy request {i}"
     recs = read_trace(trace)
     assert {r["path"] for r in recs if not r["sampled"]} == {"compiled"}  # greedy rows: the op
     assert any(r["sampled"] for r in recs)

@@ -68,7 +68,6 @@ def test_kept_length_follows_the_confidences(runs):
         kept.append(r["kept"])
     # The gate must have really acted both ways in this run.
     assert any(k < N for k in kept) and any(k == N for k in kept)
-    assert any(k == 0 for k in kept) or min(kept) < N
 
 
 def test_target_verifies_only_the_kept_drafts(runs):

@@ -233,11 +233,16 @@ def test_confidence_head_without_markov_input():
                                atol=1e-6, rtol=1e-6)
 
 
-def test_capture_warmup_with_all_rows_padding_does_not_fail():
-    # capture() fills sample_idx_mapping with -1 before the warm-up pass.
+def test_capture_warmup_with_all_rows_padding_writes_nothing():
+    # capture() fills sample_idx_mapping with -1 before the warm-up pass: every row is padding.
+    # Padding rows may fill their own per-row outputs (upstream ignores them), but must write
+    # nothing into the per-state draft-logits cache, which real requests own.
     spec = FakeSpeculator(vocab=111, states=[], num_reqs=2, cache_dtype=torch.float32)
+    before = spec.draft_logits.clone()
     weights, logits_fn, _, _ = make_model(111)
     run(spec, weights, logits_fn)
+    assert torch.equal(spec.draft_logits, before)
+    assert bool((spec.draft_tokens[2:] == 0).all())  # rows past num_reqs are not touched either
 
 
 def test_why_not_speculator_reasons():

@@ -194,15 +194,18 @@ def _write_logits_cache(cache: torch.Tensor, state: torch.Tensor, logits: torch.
 
     Padded rows (-1) are sent to row 0's slot, then row 0 writes its slot once
     more, so the duplicate writes of the first ``index_copy_`` cannot leave a
-    padded row's values there.
+    padded row's values there. Padding sits after the real rows, so row 0 is
+    padding only when every row is (CUDA-graph capture's warm-up): then slot 0
+    gets its own earlier content back, and nothing is written.
     """
     V = logits.shape[-1]
     dst = cache if cache.shape[-1] == V else cache[:, :, :V]
     first = state[:1].clamp(min=0)  # [1]
+    keep = dst.index_select(0, first)  # [1, N, V] the fallback slot as it was
     safe = torch.where(state >= 0, state, first)  # [R]
     src = logits.to(cache.dtype)
     dst.index_copy_(0, safe, src)
-    dst.index_copy_(0, first, src[:1])
+    dst.index_copy_(0, first, torch.where(state[:1, None, None] >= 0, src[:1], keep))
 
 
 def run_markov_stage(
