@@ -45,6 +45,7 @@ Writes ``results.json``, ``report.md`` and PNG plots into ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -85,6 +86,8 @@ def parse_args(argv=None):
                     help="tokens in the floor's cache (default prompt-len + 32, about the engines' mean context)")
     ap.add_argument("--profile-steps", type=int, default=None, help="steps per profiled cell (default 5, "
                                                                      "--quick 2; 0 = no profiler pass)")
+    ap.add_argument("--profile-ks", default="0,1,3,5,7",
+                    help="k of the profiled speculative cells (others use the nearest one's operator split)")
     ap.add_argument("--threads", type=int, default=None, help="OMP threads for every process (default: all CPUs)")
     ap.add_argument("--kv-space", type=int, default=2,
                     help="VLLM_CPU_KVCACHE_SPACE (GiB) per engine (2 is plenty: cells hold batch x ~300-900 tokens)")
@@ -112,6 +115,7 @@ def parse_args(argv=None):
     a.min_steps = a.min_steps or (3 if q else 5)
     a.profile_steps = a.profile_steps if a.profile_steps is not None else (2 if q else 5)
     a.floor_context = a.floor_context or a.prompt_len + 32
+    a.profile_ks = [int(x) for x in a.profile_ks.split(",")]
     a.threads = a.threads or os.cpu_count() or 1
     a.retries = a.retries if a.retries is not None else (0 if q else 2)
     a.tol = {k: float(v) for k, v in (p.split("=") for p in a.tolerance.split(","))}
@@ -259,17 +263,20 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
                 f"{res['foreign_cpu_share']:.2f} CPUs" + (f", {len(attempts)} attempts" if len(attempts) > 1 else "")
                 + ")")
         rec["cells"] = runs
+        # The timed cells are kept even if the profiler pass fails or is interrupted.
+        (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=_json_default))
 
         rec["profiles"] = []
         if args.profile_steps > 0:
             jobs = []
             for b in args.batches:
                 jobs += [(plain, "plain", b, dict(batch=b, k=0, prompt_len=args.prompt_len))]
-                jobs += [(spec, "spec", b, dict(batch=b, k=k, prompt_len=args.prompt_len)) for k in ks]
+                jobs += [(spec, "spec", b, dict(batch=b, k=k, prompt_len=args.prompt_len)) for k in ks
+                         if k in args.profile_ks]
                 jobs += [(floor, "floor", b, dict(batch=b, q=q, context=args.floor_context)) for q in (1, 8)]
             for w, kind, b, kw in jobs:
                 tries = []
-                for _ in range(1 + args.retries):
+                for _ in range(1 + min(1, args.retries)):  # the profiler pass is slow: one re-run at most
                     noise = {}
                     with watch.measure(noise):
                         p = w.call("profile", steps=args.profile_steps, **kw)
@@ -278,13 +285,18 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
                     if noise["foreign_cpu_share"] <= args.max_foreign:
                         break
                     time.sleep(2.0)
-                rec["profiles"].append(min(tries, key=lambda t: t["foreign_cpu_share"]))
+                best = min(tries, key=lambda t: t["foreign_cpu_share"])
+                rec["profiles"].append(best)
+                log(f"[{dtype}] profiled {kind} {kw}: step {1e3 * best['profiled_step_s']:.1f} ms "
+                    f"({len(tries)} attempts, other processes {best['foreign_cpu_share']:.2f} CPUs)")
             log(f"[{dtype}] profiled {len(rec['profiles'])} cells")
     finally:
         for w in workers.values():
             w.close()
     rec["load_after"] = S.load_snapshot()
     rec["seconds"] = time.monotonic() - t0
+    with contextlib.suppress(OSError):
+        (args.out / f"cells-{dtype}.partial.json").unlink()
     return rec
 
 
@@ -311,22 +323,29 @@ def _median_dict(ds: list[dict]) -> dict:
 
 
 def combined_phases(timer: dict, ops: dict | None) -> dict:
-    """Seconds per step by phase (:data:`COMBINED`): the timed forward split in the proportions of the
-    profiler's operator classes inside it; the other phases from the timers. Sums to the step."""
+    """Seconds per step by phase (:data:`COMBINED`): the timed forward split into the profiler's operator
+    classes (their self times; ``forward_python`` is the rest of the timed forward: Python between
+    operators); the other phases from the timers. Sums to the step."""
     out = dict.fromkeys(COMBINED, 0.0)
     fwd = float(timer.get("forward", 0.0))
     split = dict.fromkeys(("gemm", "attention", "rope", "norms_elementwise", "aux_capture", "forward_python"), 0.0)
     for key, v in (ops or {}).items():
         scope, _, cls = key.partition("/")
         if scope == "aux_capture":
-            split["aux_capture"] += v
+            if cls != "python":  # the adds themselves; the scope's own time is the profiler's
+                split["aux_capture"] += v
         elif scope in ("layer", "forward"):
             name = {"elementwise": "norms_elementwise", "python": "forward_python"}.get(cls, cls)
             split[name] = split.get(name, 0.0) + v
-    tot = sum(split.values())
+    # Operators keep their profiled self times (the profiler's own per-operator cost lands between
+    # operators, in its "python"); Python in the forward is what the timed forward leaves over.
+    ops_t = {n: v for n, v in split.items() if n != "forward_python"}
+    tot = sum(ops_t.values())
     if tot > 0:
-        for name, v in split.items():
-            out[name] = fwd * v / tot
+        scale = min(1.0, fwd / tot)
+        for name, v in ops_t.items():
+            out[name] = v * scale
+        out["forward_python"] = max(0.0, fwd - tot * scale)
     else:
         out["forward_python"] = fwd  # no profile: the forward unsplit
     for name in ("logits", "sampler", "rejection_sampler", "drafter", "draft_glue", "input_prep", "scheduler"):
@@ -374,8 +393,11 @@ def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
                 "context_mean": statistics.mean(c["context_mean"] for c in sel if c.get("context_mean"))
                 if any(c.get("context_mean") for c in sel) else None,
             }
+            pk = [kk for (kind, bb, kk) in profs if kind == "spec" and bb == b]
+            near = min(pk, key=lambda kk: (abs(kk - k), kk)) if pk else None  # unprofiled k: the nearest one's split
+            row["spec"][k]["profile_k"] = near
             row["spec"][k]["phases_s"] = combined_phases(row["spec"][k]["timer_phases_s"],
-                                                         profs.get(("spec", b, k)))
+                                                         profs.get(("spec", b, near)))
         sel = [c for c in cells if c["kind"] == "plain" and c["batch"] == b]
         row["plain_timer_phases_s"] = _median_dict([c["phases_mean_s"] for c in sel])
         row["plain_phases_s"] = combined_phases(row["plain_timer_phases_s"], profs.get(("plain", b, 0)))
@@ -441,6 +463,7 @@ def report(result: dict) -> str:
           "Ratios are per repeat, then median [min-max].", ""]
     for dt, d in result["dtypes"].items():
         an = d["analysis"]["by_batch"]
+        a = d.get("args", result["args"])
         L += [f"## {dt}", "", f"`{d.get('command', result['command'])}`", ""]
         L += ["### Headline", "",
               "| batch | plain decode ms | plain / floor(1) | no-draft step ms | no-draft / plain | "
@@ -490,9 +513,13 @@ def report(result: dict) -> str:
             L.append(f"- batch {b}: floor F.linear q=1 {ms(fl.get(1))}, q=8 {ms(fl.get(8))} ms; transformers q=1 "
                      f"{ms(hf.get(1))}, q=8 {ms(hf.get(8))} ms")
         L += ["", "### Where a step's time goes (ms per step)", "",
-              "Timers around the engine's methods (median over repeats); the target forward split in the "
-              "proportions of its operator classes under torch.profiler (GEMM, attention, RoPE, norms and other "
-              "elementwise ops, the aux hidden-state adds, Python between operators). `drafter` = "
+              "Timers around the engine's methods (median over repeats of each cell's mean over its typical "
+              "steps, those within 1.3x of its median step); the target forward split into "
+              "its operator classes under torch.profiler (self times of GEMM, attention, RoPE, norms and other "
+              "elementwise ops, the aux hidden-state adds; `forward_python` = the timed forward minus those: "
+              "Python between operators; profiled at k = "
+              f"{', '.join(str(k) for k in a.get('profile_ks', []))}, other k use the nearest profiled split). "
+              "`drafter` = "
               "DSparkProposer.propose; `draft glue` = the runner's propose_draft_token_ids around it (the "
               "concat of the aux hidden states, next-token preparation); `other` = bookkeeping and the "
               "engine's glue.", ""]
