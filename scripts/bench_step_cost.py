@@ -101,6 +101,8 @@ def parse_args(argv=None):
                     help="also time transformers' model + DynamicCache at q = 1 and 8 (a slower reference)")
     ap.add_argument("--tolerance", default="float32=0.01,bfloat16=1.0",
                     help="max abs logit difference allowed between the floor and vLLM, per dtype")
+    ap.add_argument("--profile-only", action="store_true",
+                    help="re-take only the profiler pass of the dtypes in --out/results.json (timed cells kept)")
     ap.add_argument("--append", action="store_true",
                     help="keep the other dtypes already in --out/results.json (measure one dtype per run)")
     ap.add_argument("--quick", action="store_true", help="smoke test: few cells, short, one repeat")
@@ -222,49 +224,50 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
             spec.call("cell", batch=b, k=max(ks), prompt_len=args.prompt_len, min_seconds=0.0, min_steps=2)
             floor.call("cell", batch=b, q=1, context=args.floor_context, min_seconds=0.0, min_steps=1)
 
-        prompt = S.random_prompts(1, args.prompt_len, int(plain.info["vocab"]), seed=7)[0]
-        log(f"[{dtype}] logits check")
-        rec["logits_check"] = logits_check(plain, spec, floor, prompt, not args.no_hf, block)
-        rec["tolerance"] = args.tol.get(dtype)
-        for name, c in rec["logits_check"].items():
-            log(f"[{dtype}]   {name}: {c}")
-
-        cells = []
-        for b in args.batches:
-            cells.append(("plain", b, 0))
-            cells += [("spec", b, k) for k in ks]
-            cells += [("floor", b, q) for q in qs]
-            cells += [("floor_linear", b, q) for q in (1, 8)]
-            if args.hf_timing and not args.no_hf:
-                cells += [("hf", b, q) for q in (1, 8)]
-        runs: list[dict] = []
-        common = dict(min_seconds=args.min_seconds, min_steps=args.min_steps)
         watch = S.ForeignCPU([os.getpid(), *(w.pid for w in workers.values())])
-        for r, (kind, b, x) in S.interleaved(cells, args.repeats):
-            # A cell during which other processes took more than --max-foreign CPUs is run again (a
-            # 2-thread OpenMP region waits a whole time slice for a descheduled thread), up to
-            # --retries times; the least disturbed attempt is kept, the others are recorded.
-            attempts: list[dict] = []
-            for _ in range(1 + args.retries):
-                noise: dict = {}
-                with watch.measure(noise):
-                    res = run_cell(plain, spec, floor, kind, b, x, args, common)
-                res.update(kind=kind, repeat=r, x=x, **noise)
-                attempts.append(res)
-                if noise["foreign_cpu_share"] <= args.max_foreign:
-                    break
-                time.sleep(2.0)  # let the disturbance pass
-            res = min(attempts, key=lambda a: a["foreign_cpu_share"])
-            res["discarded_attempts"] = [{"median_s": a["median_s"], "foreign_cpu_share": a["foreign_cpu_share"]}
-                                         for a in attempts if a is not res]
-            runs.append(res)
-            log(f"[{dtype}] r{r} {kind:5s} B={b:<2d} {'k' if kind in ('plain', 'spec') else 'q'}={x}: "
-                f"{1e3 * res['median_s']:.1f} ms ({res['steps']} steps; other processes "
-                f"{res['foreign_cpu_share']:.2f} CPUs" + (f", {len(attempts)} attempts" if len(attempts) > 1 else "")
-                + ")")
-        rec["cells"] = runs
-        # The timed cells are kept even if the profiler pass fails or is interrupted.
-        (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=_json_default))
+        if not args.profile_only:
+            prompt = S.random_prompts(1, args.prompt_len, int(plain.info["vocab"]), seed=7)[0]
+            log(f"[{dtype}] logits check")
+            rec["logits_check"] = logits_check(plain, spec, floor, prompt, not args.no_hf, block)
+            rec["tolerance"] = args.tol.get(dtype)
+            for name, c in rec["logits_check"].items():
+                log(f"[{dtype}]   {name}: {c}")
+
+            cells = []
+            for b in args.batches:
+                cells.append(("plain", b, 0))
+                cells += [("spec", b, k) for k in ks]
+                cells += [("floor", b, q) for q in qs]
+                cells += [("floor_linear", b, q) for q in (1, 8)]
+                if args.hf_timing and not args.no_hf:
+                    cells += [("hf", b, q) for q in (1, 8)]
+            runs: list[dict] = []
+            common = dict(min_seconds=args.min_seconds, min_steps=args.min_steps)
+            for r, (kind, b, x) in S.interleaved(cells, args.repeats):
+                # A cell during which other processes took more than --max-foreign CPUs is run again (a
+                # 2-thread OpenMP region waits a whole time slice for a descheduled thread), up to
+                # --retries times; the least disturbed attempt is kept, the others are recorded.
+                attempts: list[dict] = []
+                for _ in range(1 + args.retries):
+                    noise: dict = {}
+                    with watch.measure(noise):
+                        res = run_cell(plain, spec, floor, kind, b, x, args, common)
+                    res.update(kind=kind, repeat=r, x=x, **noise)
+                    attempts.append(res)
+                    if noise["foreign_cpu_share"] <= args.max_foreign:
+                        break
+                    time.sleep(2.0)  # let the disturbance pass
+                res = min(attempts, key=lambda a: a["foreign_cpu_share"])
+                res["discarded_attempts"] = [{"median_s": a["median_s"], "foreign_cpu_share": a["foreign_cpu_share"]}
+                                             for a in attempts if a is not res]
+                runs.append(res)
+                log(f"[{dtype}] r{r} {kind:5s} B={b:<2d} {'k' if kind in ('plain', 'spec') else 'q'}={x}: "
+                    f"{1e3 * res['median_s']:.1f} ms ({res['steps']} steps; other processes "
+                    f"{res['foreign_cpu_share']:.2f} CPUs"
+                    + (f", {len(attempts)} attempts" if len(attempts) > 1 else "") + ")")
+            rec["cells"] = runs
+            # The timed cells are kept even if the profiler pass fails or is interrupted.
+            (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=_json_default))
 
         rec["profiles"] = []
         if args.profile_steps > 0:
@@ -444,6 +447,7 @@ def report(result: dict) -> str:
     cpu = m.get("cpu", {})
     cmds = list(dict.fromkeys(d.get("command", result["command"]) for d in result["dtypes"].values()))
     L = ["# Step cost: one target step by tokens per request, vLLM against the plain-PyTorch floor", "",
+         *([result["preamble"], ""] if result.get("preamble") else []),
          *[f"`{c}`" for c in cmds], "",
          f"- Machine: {cpu.get('Model name')} ({cpu.get('CPU(s)')} CPUs, {cpu.get('Hypervisor vendor') or 'bare'}); "
          f"avx512_bf16: **{'yes' if cpu.get('avx512_bf16') else 'NO (bf16 emulated)'}**; "
@@ -718,6 +722,8 @@ def main(argv=None) -> int:
     if not cpu.get("avx512_bf16"):
         result["notes"].append("this CPU has no avx512_bf16: bf16 GEMMs are emulated; compare with float32")
     failed = []
+    if args.profile_only:
+        return profile_only(args, paths, result, command)
     for dt in args.dtypes:
         rec = measure_dtype(args, dt, paths)
         rec["analysis"] = analyse(rec, args.batches, args.ks)
@@ -744,6 +750,42 @@ def main(argv=None) -> int:
         for f in failed:
             print(f"bench_step_cost: {f}", file=sys.stderr)
         return 1
+    return 0
+
+
+def write_outputs(result: dict, out: Path) -> list[str]:
+    (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    plain = json.loads(json.dumps(result, default=_json_default), object_hook=_int_keys)
+    (out / "report.md").write_text(report(plain))
+    return plots(plain, out)
+
+
+def profile_only(args, paths: dict, result: dict, command: str) -> int:
+    """Re-take the profiler pass of dtypes already in --out/results.json and re-analyse them (timed cells kept)."""
+    path = args.out / "results.json"
+    if not path.is_file():
+        print(f"bench_step_cost: --profile-only needs {path}", file=sys.stderr)
+        return 2
+    prev = json.loads(path.read_text(), object_hook=_int_keys)
+    for dt in args.dtypes:
+        old = prev["dtypes"].get(dt)
+        if old is None:
+            print(f"bench_step_cost: no {dt} record in {path}", file=sys.stderr)
+            return 2
+        a = old.get("args", prev.get("args", {}))
+        args.batches, args.ks = a.get("batches", args.batches), a.get("ks", args.ks)
+        args.prompt_len, args.floor_context = a.get("prompt_len", args.prompt_len), a.get("floor_context",
+                                                                                         args.floor_context)
+        rec = measure_dtype(args, dt, paths)
+        old["profiles"] = rec["profiles"]
+        old["profile_run"] = {"command": command, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"),
+                              "seconds": rec["seconds"], "profile_ks": args.profile_ks,
+                              "profile_steps": args.profile_steps, "load_before": rec["load_before"],
+                              "load_after": rec["load_after"]}
+        old.setdefault("args", a)["profile_ks"] = args.profile_ks
+        old["analysis"] = analyse(old, args.batches, args.ks)
+    made = write_outputs(prev, args.out)
+    log(f"re-profiled {', '.join(args.dtypes)}; wrote {args.out}/results.json, report.md, {', '.join(made)}")
     return 0
 
 
