@@ -86,6 +86,8 @@ def test_zero_admitted_drafts_make_plain_decode_steps(never_pays, qwen_baseline)
     assert st["steps_skipped"] == st["steps"] and st["steps_probed"] == 0, st
     assert report["timings_s"]["block_forward"] == 0 and report["timings_s"]["context_kv_only"] > 0
     assert report["policy"]["probes"] == 0, report["policy"]
+    # No draft in any batch: the rejection-sampler patch sampled every step plainly (the fast path ran).
+    assert report["no_draft_sampler_steps"] >= 0.9 * st["steps"], (report["no_draft_sampler_steps"], st)
     assert report["costs"]["source"] == "speculative_config['dspark']['costs']"
 
 

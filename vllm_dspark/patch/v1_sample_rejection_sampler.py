@@ -1,4 +1,5 @@
-"""Patch of ``vllm.v1.sample.rejection_sampler``: correct per-token sampling params on CPU.
+"""Patches of ``vllm.v1.sample.rejection_sampler``: correct per-token sampling params on CPU, and no
+rejection pass for a batch without drafts (``_make_forward``).
 
 ``apply_sampling_constraints`` spreads each request's temperature, top-k and
 top-p over its draft positions with ``expand_batch_to_tokens``. That function
@@ -62,4 +63,47 @@ PATCH = register_patch(Patch(
     removable_when="vLLM's CPU _expand_kernel_impl writes back non-int64 outputs (and keeps float inputs), "
                    "e.g. by copying the int64 result into the output or handling float dtypes natively",
     make=_make_expand,
+))
+
+
+def _make_forward(original):
+    """A verify step with no draft token in the whole batch samples like a plain decode step.
+
+    With speculation on, vLLM's V1 runner sends every decode step through the
+    rejection sampler, drafts or not. With none, its work (the bonus sample, an
+    empty target-logits pass, the sampling constraints, the rejection kernel)
+    reduces to the bonus sample, so that sample alone is taken: the same call
+    with the same arguments (``predict_bonus_token=True`` keeps the penalties'
+    view of the spec tokens), the output shaped and typed as the rejection
+    sampler's ([batch, 1] int32). Requests for logprobs and synthetic acceptance
+    keep the full path, whose logprobs tensors are laid out differently.
+    """
+
+    def forward(self, metadata, draft_probs, logits, sampling_metadata):
+        if (metadata.max_spec_len != 0 or sampling_metadata.max_num_logprobs is not None
+                or getattr(self, "synthetic_mode", False) or sampling_metadata.logprob_token_ids):
+            return original(self, metadata, draft_probs, logits, sampling_metadata)
+        from vllm.v1.outputs import SamplerOutput
+
+        # Counted on the instance, so the worker extension can report it without importing patches.
+        self.dspark_no_draft_steps = getattr(self, "dspark_no_draft_steps", 0) + 1
+        out = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
+                           predict_bonus_token=True)
+        return SamplerOutput(sampled_token_ids=out.sampled_token_ids.view(-1, 1).to(torch.int32),
+                             logprobs_tensors=None)
+
+    return forward
+
+
+FORWARD_PATCH = register_patch(Patch(
+    name="rejection-sampler-no-drafts",
+    module="vllm.v1.sample.rejection_sampler",
+    attribute="RejectionSampler.forward",
+    what="a step with no draft token in the batch takes the bonus sample alone, as a plain decode step does",
+    why="with speculation on, the V1 runner sends every step through the rejection sampler, and its empty "
+        "draft path cost 0.45 ms against the plain sampler's 0.17 ms per step at batch 1 (bf16, this CPU): "
+        "a step where the budget admitted no drafts paid for verification it never did",
+    versions=("0.32",),
+    removable_when="vLLM skips the rejection sampler (or its draft path) when a batch carries no draft tokens",
+    make=_make_forward,
 ))

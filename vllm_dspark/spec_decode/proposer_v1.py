@@ -12,8 +12,9 @@ step (``propose``):
    at positions ``p..p+B-1``, every row sampled (B drafts, the target verifies
    up to 1 + B tokens). ``one_plus_n`` checkpoints keep upstream's 1 + N layout.
 3. **Block forward** (skipped on steps the budget forecast says will not pay:
-   then only the context K/V of the new tokens is stored, so the drafter's
-   cache stays complete, and every request decodes plainly).
+   every request decodes plainly, and the step's target states are held in
+   :mod:`.context_kv` until the drafter next runs, then stored in one call,
+   so the drafter's cache stays complete).
 4. **Sequential stage.** Greedy requests draft through the Markov draft op;
    requests with temperature > 0 draft by sampling their Markov-corrected,
    top-k/top-p-filtered distribution (``draft_sampling: auto``), whose
@@ -48,6 +49,7 @@ from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power
 from vllm_dspark.serving.settings import DSparkSettings, settings_of
 from vllm_dspark.spec_decode import budget as B
 from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
+from vllm_dspark.spec_decode.context_kv import PendingContext
 from vllm_dspark.spec_decode.overrides import check_couplings
 from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
 
@@ -98,10 +100,14 @@ class DSparkProposer(DFlashProposer):
         self._step = 0
         self._last_draft_probs = None
         self.last_markov_path: str | None = None
+        self.pending = PendingContext()
+        # A sliding-window KV manager frees blocks behind the window: held slots must stay inside it.
+        self._hold_ok = not s.window or s.window > self.pending.max_steps + 2 * self.block_size
+        self._hold_checked = False
         # Seconds per phase, summed over steps (report(): where a step's time goes).
         self.timings: dict[str, float] = dict.fromkeys(
-            ("outside_propose", "feedback", "layout", "context_kv_only", "block_forward", "markov_stage",
-             "verify"), 0.0)
+            ("outside_propose", "feedback", "held", "context_flush", "layout", "context_kv_only", "block_forward",
+             "markov_stage", "verify"), 0.0)
         logger.info("vllm_dspark: DSpark proposer ready: %s", s.describe())
         note = s.context_note()
         if note:
@@ -184,6 +190,21 @@ class DSparkProposer(DFlashProposer):
         plan = self._plan(caps, sampled)
         t1 = time.perf_counter()
         tm["feedback"] += t1 - t0
+        decode_only = int(cad.max_query_len) == 1
+        if self.pending.steps and (plan.mode != "skip" or not decode_only or not self.pending.accepts(req_ids)):
+            self.pending.flush(self._store_context)
+            t1b = time.perf_counter()
+            tm["context_flush"] += t1b - t1
+            t1 = t1b
+        if plan.mode == "skip" and decode_only and self._hold_ok:
+            self._hold(req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
+                       token_indices_to_sample, num_rejected_tokens_gpu)
+            tm["held"] += time.perf_counter() - t1
+            self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
+            self._prev, self._prev_kind = {}, "skip"
+            self._last_end = time.perf_counter()
+            self._maybe_log()
+            return [[] for _ in range(batch)]
 
         hidden = self.model.combine_hidden_states(target_hidden_states)
         num_query, sample_rows, block_cad = self.set_inputs_first_pass(
@@ -260,6 +281,33 @@ class DSparkProposer(DFlashProposer):
         self._last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept)]
+
+    # ------------------------------------------------------------------ held context
+    def _store_context(self, states, positions, slots) -> None:
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
+
+    def _hold(self, req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
+              token_indices, num_rejected) -> None:
+        """Hold a decode-only step's context (see :mod:`.context_kv`): its positions are the target's and
+        its slots the drafter group's slot mapping, which the first held step checks against the
+        layout the eager store uses."""
+        n = int(target_hidden_states.shape[0])
+        positions, slots = target_positions[:n], cad.slot_mapping[:n]
+        if not self._hold_checked:
+            self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
+                                       self.model.combine_hidden_states(target_hidden_states), token_indices,
+                                       cad, num_rejected)
+            want_pos = self._context_positions_buffer[:n]
+            want_slots = self._context_slot_mapping_buffer[:n]
+            if not (torch.equal(want_pos.to(positions.dtype), positions)
+                    and torch.equal(want_slots.to(slots.dtype), slots)):
+                self._hold_ok = False
+                logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context "
+                               "layout; steps without drafts store their context at once (about 1 ms a step)")
+                self._store_context(target_hidden_states, want_pos, want_slots)
+                return
+            self._hold_checked = True
+        self.pending.hold(req_ids, target_hidden_states, positions, slots)
 
     # ------------------------------------------------------------------ pieces
     def _req_ids(self, batch: int) -> list[str]:
@@ -447,6 +495,7 @@ class DSparkProposer(DFlashProposer):
                 "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
                                                  "scale_draft": c.scale_draft, "rebased": c.rebased,
                                                  "cache_path": c.cache_path},
+                "held_context": {**self.pending.counts, "enabled": self._hold_ok},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
 

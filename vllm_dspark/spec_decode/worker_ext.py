@@ -21,7 +21,13 @@ class DSparkWorkerExtension:
     def dspark_report(self) -> dict | None:
         drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
         report = getattr(drafter, "report", None)
-        return report() if callable(report) else None
+        if not callable(report):
+            return None
+        out = report()
+        # Steps the rejection-sampler patch served as plain samples (no draft in the batch).
+        sampler = getattr(self.model_runner, "rejection_sampler", None)  # type: ignore[attr-defined]
+        out["no_draft_sampler_steps"] = getattr(sampler, "dspark_no_draft_steps", 0)
+        return out
 
     def dspark_state(self) -> dict:
         """Request ids the model runner tracks, the ones in its persistent batch, the ones the

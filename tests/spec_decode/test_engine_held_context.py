@@ -1,0 +1,91 @@
+"""Steps without drafts hold their context and store it when the drafter next runs (``context_kv``).
+
+A drafter whose drafts depend on its context (random backbone, no Markov
+head) runs twice on the same prompts, greedy:
+
+* ``fixed`` verification: it drafts every step, so every step stores its
+  context at once;
+* the budget, pinned to costs under which drafting would pay, with a drafter
+  that is never accepted: most steps draft nothing and only hold their context;
+  probes (a few drafts, ever rarer) read it after up to ``max_steps`` held
+  steps.
+
+Both outputs equal the target's, and every probe's drafts equal the drafts the
+``fixed`` engine made at the same request and position: the held context is
+the one an eager store would have written. (Both engines run float32; the
+stores batch different numbers of tokens, so a near-tie could in principle
+round the other way; none does on these prompts.)
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import MAX_TOKENS
+from vllm_dspark.testing.engine import dspark_report, llm_engine, read_trace
+
+pytestmark = pytest.mark.engine
+
+PAYS = {"verify": [[1, 0.01], [512, 0.0101]], "draft": [[1, 0.0001], [64, 0.0001]]}
+
+
+@pytest.fixture(scope="module")
+def context_drafter(qwen_pair, tmp_path_factory):
+    from vllm_dspark.testing.tiny import make_drafter
+
+    cfg = qwen_pair["config"].replace(markov_rank=0, confidence_head_with_markov=False)
+    return str(make_drafter(tmp_path_factory.mktemp("ctx_draft") / "draft", cfg, mode="random", scale=0.3,
+                            seed=7))
+
+
+def _run(target, draft, prompts, dspark, trace):
+    from vllm import SamplingParams
+
+    spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 7,
+            "dspark": {**dspark, "trace": str(trace)}}
+    with llm_engine(target, speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS * 2, temperature=0.0, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs], read_trace(trace), dspark_report(llm)
+
+
+@pytest.fixture(scope="module")
+def runs(qwen_pair, context_drafter, prompts, tmp_path_factory):
+    root = tmp_path_factory.mktemp("held")
+    few = prompts[:4]
+    fixed = _run(qwen_pair["target"], context_drafter, few, {"verification": "fixed"}, root / "fixed.jsonl")
+    budget = _run(qwen_pair["target"], context_drafter, few, {"verification": "budget", "costs": PAYS},
+                  root / "budget.jsonl")
+    return fixed, budget
+
+
+def test_outputs_stay_the_targets(runs, qwen_baseline):
+    (fixed_tokens, _, _), (budget_tokens, _, _) = runs
+    want = [t[:MAX_TOKENS] for t in fixed_tokens]
+    assert want == qwen_baseline[:4]
+    assert fixed_tokens == budget_tokens
+
+
+def test_probes_read_the_context_an_eager_store_writes(runs):
+    (_, fixed_trace, _), (_, budget_trace, report) = runs
+    held = report["held_context"]
+    assert held["enabled"] and held["held_steps"] > 0 and held["flushes"] > 0, held
+    assert 0 < held["flushed_tokens"] <= held["held_tokens"], held
+    eager = {(_prompt_of(fixed_trace, r), r["pos"]): r["draft"] for r in fixed_trace}
+    probes = [r for r in budget_trace if r["kept"] > 0]
+    assert len(probes) >= 3, "the budget never probed: nothing read a held context"
+    compared = 0
+    for r in probes:
+        want = eager.get((_prompt_of(budget_trace, r), r["pos"]))
+        if want is None:
+            continue
+        assert r["draft"][:r["kept"]] == want[:r["kept"]], (r, want)
+        compared += 1
+    assert compared >= 3
+
+
+def _prompt_of(trace: list[dict], rec: dict) -> int:
+    """The prompt a trace record belongs to: request ids differ between engines, their order does not
+    (the first step drafts every prompt, in order)."""
+    order = list(dict.fromkeys(r["req_id"] for r in trace))
+    return order.index(rec["req_id"])
