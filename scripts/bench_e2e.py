@@ -11,10 +11,19 @@ are ratios to the no-speculation engine of the same run and cell):
   HumanEval, greedy and T = 1.0, concurrency 1, 8 and 32: no speculation,
   n-gram, the DFlash-style ablation (same backbone and data, no Markov head) and
   DSpark with its default settings;
+- ``never-lose``: the chat set and HumanEval, greedy, concurrency 1 and 32: no
+  speculation, n-gram, a drafter that is never accepted and whose confidence
+  head says 0.9 everywhere (the shipped drafter's shapes, seeded noise for
+  weights), and DSpark, all under the default settings;
 - ``verification``: concurrency 1, 4, 16 and 64, greedy and T = 1.0: no
   speculation, fixed draft lengths 1, 3 and 7, the earlier product rule, the
   DSpark reference threshold rule and budgeted verification (``--pair smollm2``
   or ``toy``).
+
+Speed is measured in ``--dtype`` (bf16 by default, the dtype users run). With
+``--repeats`` > 1 (the default, 3) every engine stays alive and each cell is
+run that many times, interleaved (A B C, B C A, ...); the speed-up is the
+median of the per-repeat ratios, with their spread.
 
 Writes ``results.json``, ``report.md`` and PNG plots (throughput, speed-up,
 per-position acceptance, the confidence head's reliability, where a step's
@@ -58,7 +67,8 @@ def breakdown(r: dict) -> dict | None:
     t = d["timings_s"]
     return {"steps": steps,
             "target_step_ms": 1e3 * t["outside_propose"] / steps,
-            "drafter_forward_ms": 1e3 * (t["layout"] + t["block_forward"] + t["context_kv_only"]) / steps,
+            "drafter_forward_ms": 1e3 * (t["layout"] + t["block_forward"] + t["context_kv_only"]
+                                         + t.get("held", 0.0) + t.get("context_flush", 0.0)) / steps,
             "markov_stage_ms": 1e3 * t["markov_stage"] / steps,
             "python_overhead_ms": 1e3 * (t["feedback"] + t["verify"]) / steps}
 
@@ -193,7 +203,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=("default", "verification"), default="default")
+    ap.add_argument("--suite", choices=("default", "never-lose", "verification"), default="default")
     ap.add_argument("--pair", choices=("smollm2", "toy"), default="smollm2")
     ap.add_argument("--datasets", default=None, help="comma-separated subset of the pair's prompt sets")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configuration names")
@@ -204,22 +214,43 @@ def main() -> int:
                     help="prompts per cell at concurrency 1 (cells at C use max(this, waves x C))")
     ap.add_argument("--waves", type=int, default=2, help="prompts per cell at concurrency C: waves x C")
     ap.add_argument("--out", default=str(ROOT / "reports" / "e2e"))
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="interleaved repeats per cell, every engine alive (1: one engine at a time, in turn)")
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
-    from vllm_dspark.bench.e2e import default_pair, run_engine, standard_configs, toy_pair, verification_configs
+    from dataclasses import replace
 
-    pair = default_pair() if args.pair == "smollm2" else toy_pair()
+    from vllm_dspark.bench.cpu_setup import describe as describe_cpu
+    from vllm_dspark.bench.e2e import (
+        default_pair,
+        never_lose_configs,
+        run_engine,
+        run_interleaved,
+        standard_configs,
+        toy_pair,
+        verification_configs,
+    )
+
+    pair = replace(default_pair() if args.pair == "smollm2" else toy_pair(), dtype=args.dtype)
     datasets = pair.datasets
     if args.datasets:
         datasets = {k: v for k, v in datasets.items() if k in args.datasets.split(",")}
     elif args.suite == "verification":
         datasets = dict(list(datasets.items())[:1])
-    conc = tuple(int(x) for x in (args.concurrency or ("1,8,32" if args.suite == "default" else "1,4,16,64"))
-                 .split(","))
+    default_conc = {"default": "1,8,32", "never-lose": "1,32", "verification": "1,4,16,64"}[args.suite]
+    conc = tuple(int(x) for x in (args.concurrency or default_conc).split(","))
     temps = tuple(float(x) for x in args.temperatures.split(","))
-    configs = standard_configs(pair) if args.suite == "default" else verification_configs(pair)
+    if args.suite == "never-lose":
+        from vllm_dspark.bench.never_accepted import never_accepted_drafter
+        from vllm_dspark.cache import cache_dir
+
+        configs = never_lose_configs(pair, str(never_accepted_drafter(pair.draft, cache_dir() / "bench" /
+                                                                      "never-accepted")))
+    else:
+        configs = standard_configs(pair) if args.suite == "default" else verification_configs(pair)
     if args.configs:
         configs = [c for c in configs if c.name in args.configs.split(",")]
     per1 = args.prompts or 8
@@ -231,13 +262,18 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     t0 = time.monotonic()
-    for i, cfg in enumerate(configs):
+    if args.repeats > 1:
+        rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
+                               max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
+                               log=lambda m: print(m, flush=True))
+    for i, cfg in enumerate(configs if args.repeats <= 1 else []):
         print(f"== [{i + 1}/{len(configs)}] {cfg.name} ==", flush=True)
         rows += run_engine(pair, cfg, datasets, concurrencies=conc, temperatures=temps, max_tokens=args.max_tokens,
                            prompts_per_cell=per_cell, log=lambda m: print(m, flush=True))
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
-            "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens,
+            "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "machine": describe_cpu(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
     slim = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]

@@ -89,6 +89,16 @@ def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
     return out
 
 
+def never_lose_configs(pair: Pair, never_accepted: str, block: int = 7) -> list[EngineConfig]:
+    """Issue 18's comparison: where DSpark cannot help it must not lose (a confidently wrong drafter
+    under the default settings), and where speculation pays (n-gram) it must be kept."""
+    return [EngineConfig("no-spec"),
+            EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2}),
+            EngineConfig("never-accepted", dspark_spec(never_accepted, block)),
+            EngineConfig("dspark", dspark_spec(pair.draft, block))]
+
+
 def verification_configs(pair: Pair, block: int = 7, product: float = 0.3, threshold: float = 0.5
                          ) -> list[EngineConfig]:
     """Issue 10's comparison: fixed lengths, the two threshold rules, budgeted verification."""
@@ -224,6 +234,11 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
     return results
 
 
+def _is_dspark(configs: list[EngineConfig], name: str) -> bool:
+    spec = next(c for c in configs if c.name == name).speculative_config
+    return bool(spec) and spec.get("method") == "dspark"
+
+
 def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
                     temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
                     log=print, kv_cache_gib: int = 2) -> list[dict]:
@@ -259,6 +274,7 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
                     cell = prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts
                     params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=1234 if temp > 0 else None)
                     before = {n: spec_metrics(e) for n, e in engines.items()}
+                    reports0 = {n: dspark_report(engines[n]) for n in engines if _is_dspark(configs, n)}
                     rates: dict[str, list[float]] = {n: [] for n in engines}
                     outputs: dict[str, list] = {}
                     tokens: dict[str, int] = {}
@@ -288,6 +304,10 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
                             row["speedup_spread"] = [min(ratios), max(ratios)]
                         if cfg.speculative_config:
                             row.update(acceptance_summary(_delta(spec_metrics(engines[name]), before[name])))
+                        if name in reports0:
+                            rep, rep0 = dspark_report(engines[name]), reports0[name]
+                            assert rep is not None and rep0 is not None
+                            row["dspark"] = {k: _delta(rep[k], rep0[k]) for k in ("stats", "timings_s")}
                         rows.append(row)
                         log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
                             f"(repeats {', '.join(f'{x:.1f}' for x in r)})"
