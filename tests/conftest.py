@@ -7,6 +7,7 @@
 """
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,9 @@ from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_targ
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Budget profiles the engines take go to a directory of this run, never the user's cache (and are not
+# reused from an earlier run); tests that check the cache pin their own.
+os.environ.setdefault("VLLM_DSPARK_PROFILE_CACHE", tempfile.mkdtemp(prefix="dspark-test-profiles-"))
 
 
 def pytest_configure(config):

@@ -60,7 +60,7 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
     t0 = time.time()
     cache = models["cache"] / f"{getattr(backend, '__name__', backend)}-{'spec' if spec else 'nospec'}"
     with llm_engine(models["target"], speculative_config=speculative_config,
-                    env={**models["env"], "VLLM_DSPARK_CACHE": str(cache), "OMP_NUM_THREADS": "1",
+                    env={**models["env"], "VLLM_DSPARK_PROFILE_CACHE": str(cache), "OMP_NUM_THREADS": "1",
                          # collective_rpc(probe_worker) pickles a function
                          "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", **(extra_env or {})}, tensor_parallel_size=2,
                     distributed_executor_backend=backend, dtype="float32", max_model_len=512,

@@ -110,15 +110,16 @@ def test_transport_through_the_hf_config_is_strict():
 def test_budget_trust_settings_defaults_sources_and_errors():
     import dataclasses
 
-    from vllm_dspark.serving.settings import ENV, TRUST_SETTINGS
+    from vllm_dspark.serving.settings_table import BY_NAME, TRUST_NAMES
     from vllm_dspark.spec_decode.budget import TrustConfig
 
     s = resolve()
     fields = {f.name: f.default for f in dataclasses.fields(DSparkSettings)}
     trust = TrustConfig()
-    for name, default, *_ in TRUST_SETTINGS:  # one default per setting, the same in all three places
+    for name in TRUST_NAMES:  # one default per setting, the same in all three places
+        default = BY_NAME[name].default
         assert getattr(s, name) == fields[name] == getattr(trust, name) == default, name
-        assert ENV[name] == "VLLM_DSPARK_" + name.upper()
+        assert BY_NAME[name].env == "VLLM_DSPARK_" + name.upper()
     assert TrustConfig(**s.trust()) == trust
     s = resolve(opts={"prior_strength": 10, "probe_tokens": 1},
                 env={"VLLM_DSPARK_PROBE_PERIOD": "4", "VLLM_DSPARK_REJECT_RUN": "0", "VLLM_DSPARK_PROBE_TOKENS": "3"})
@@ -136,3 +137,26 @@ def test_budget_trust_settings_defaults_sources_and_errors():
         assert needle in msg, (needle, msg)
     with pytest.raises(DSparkSettingsError, match="below probe_period"):
         resolve(opts={"probe_period": 8, "probe_max_period": 4})
+
+
+def test_the_readme_and_the_docstring_show_the_table():
+    from pathlib import Path
+
+    import vllm_dspark.serving.settings as settings_module
+    from vllm_dspark.serving.settings_table import SETTINGS, markdown_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    start = readme.index("<!-- settings-table")
+    block = readme[readme.index("\n", start) + 1: readme.index("<!-- /settings-table -->")].strip()
+    stale = "README's settings table is stale: paste `python -m vllm_dspark.serving.settings_table`"
+    assert block == markdown_table(), stale
+    doc = settings_module.__doc__ or ""
+    for row in SETTINGS:
+        assert f"``{row.name}``" in doc and (row.env is None or row.env in doc), row.name
+    assert set(settings_module.SPEC_KEYS) == {row.name for row in SETTINGS}
+
+
+def test_profile_cache_on_off_or_a_directory():
+    assert resolve().profile_cache == "on"
+    assert resolve(env={"VLLM_DSPARK_PROFILE_CACHE": "0"}).profile_cache == "off"
+    assert resolve(opts={"profile_cache": "/tmp/profiles"}).profile_cache == "/tmp/profiles"

@@ -236,7 +236,7 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
 
 def _is_dspark(configs: list[EngineConfig], name: str) -> bool:
     spec = next(c for c in configs if c.name == name).speculative_config
-    return bool(spec) and spec.get("method") == "dspark"
+    return spec is not None and spec.get("method") == "dspark"
 
 
 def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
@@ -305,9 +305,9 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
                         if cfg.speculative_config:
                             row.update(acceptance_summary(_delta(spec_metrics(engines[name]), before[name])))
                         if name in reports0:
-                            rep, rep0 = dspark_report(engines[name]), reports0[name]
-                            assert rep is not None and rep0 is not None
-                            row["dspark"] = {k: _delta(rep[k], rep0[k]) for k in ("stats", "timings_s")}
+                            now, was = dspark_report(engines[name]), reports0[name]
+                            assert now is not None and was is not None
+                            row["dspark"] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
                         rows.append(row)
                         log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
                             f"(repeats {', '.join(f'{x:.1f}' for x in r)})"

@@ -301,7 +301,7 @@ def _build_class():
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     from vllm_dspark.checkpoint.io import canonical_name
-    from vllm_dspark.serving.settings import ENV
+    from vllm_dspark.serving.settings_table import BY_NAME
     from vllm_dspark.spec_decode.model_v1 import expose_dspark_keys
 
     class DSparkV2DraftModel(Qwen3DSparkForCausalLM):
@@ -315,10 +315,10 @@ def _build_class():
             self._markov: MarkovWeights | None = None
             self._markov_reason: str | None = "weights not loaded yet"
             self._decision: tuple[int, bool] | None = None
-            if os.environ.get(ENV["threshold"]):
+            if os.environ.get(BY_NAME["threshold"].env or ""):
                 logger.warning("vllm_dspark: %s is not applied on vLLM 0.33's V2 path; use the speculative "
                                "config's enable_adaptive_verification (fed by the confidence head)",
-                               ENV["threshold"])
+                               BY_NAME["threshold"].env)
 
         def load_weights(self, weights):
             loaded = super().load_weights((canonical_name(name), w) for name, w in weights)

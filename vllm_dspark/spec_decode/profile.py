@@ -15,7 +15,8 @@ drafter (max_num_seqs 64); loading a cached profile with its spot check 0.3 s.
 
 The result is cached on disk (``<cache>/budget/<key>.json``, the key covering
 the models, dtype, device, thread count and batch limits), so later starts
-load it; ``VLLM_DSPARK_PROFILE_CACHE=0`` always re-profiles. A cached profile
+load it; the ``profile_cache`` setting (``VLLM_DSPARK_PROFILE_CACHE``) moves the
+cache to another directory, or turns it ``off`` (profile at every start). A cached profile
 is not trusted blindly:
 
 * at load, a **spot check** times the 1-token verify step and the 1-request
@@ -84,7 +85,9 @@ def _key(proposer) -> str:
 
 
 def cache_path(proposer) -> Path:
-    return cache_dir() / "budget" / f"{_key(proposer)}.json"
+    where = proposer.settings.profile_cache
+    base = cache_dir() / "budget" if where in ("on", "off") else Path(where).expanduser()
+    return base / f"{_key(proposer)}.json"
 
 
 def _verify_fn(proposer, n: int):
@@ -171,7 +174,7 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
     scale = float(hook.get("draft_time_scale", 1.0))
     t0 = time.perf_counter()
     path = cache_path(proposer)
-    use_cache = os.environ.get("VLLM_DSPARK_PROFILE_CACHE", "1") != "0"
+    use_cache = proposer.settings.profile_cache != "off"
     local = _lookup(path, use_cache, hook)
     info: dict = {"local_cache_hit": local is not None, "rank": cons.rank}
     # 1. Is there a cached profile? The deciding rank's answer, before any dummy run.
