@@ -64,7 +64,7 @@ def build_prompts(tok, lengths, per_length, seed=0):
 def run(target, spec, prompts, max_tokens, *, probe_len=None):
     from vllm import SamplingParams
 
-    from vllm_dspark.testing.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
+    from vllm_dspark.bench.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     res = {"by_length": {}}

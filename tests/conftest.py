@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB, make_prompts
-from vllm_dspark.testing.engine import llm_engine
+from vllm_dspark.bench.engine import llm_engine
 from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little

@@ -52,8 +52,8 @@ def models(tiny_models, engine_env, tmp_path_factory):
 def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
     from vllm import SamplingParams
 
+    from vllm_dspark.bench.engine import acceptance_summary, llm_engine, spec_metrics
     from vllm_dspark.deploy.ray_cpu import probe_worker
-    from vllm_dspark.testing.engine import acceptance_summary, llm_engine, spec_metrics
 
     speculative_config = ({"method": "dspark", "model": models["draft"], "num_speculative_tokens": 7}
                           if spec else None)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB
-from vllm_dspark.testing.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
+from vllm_dspark.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.testing.engine import dspark_report, llm_engine, read_trace
+from vllm_dspark.bench.engine import dspark_report, llm_engine, read_trace
 
 pytestmark = pytest.mark.engine
 

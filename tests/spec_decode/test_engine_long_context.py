@@ -22,8 +22,7 @@ import pytest
 import torch
 
 from tests.reference_check import ReferenceDrafter, match_sequence
-from vllm_dspark.serving.settings import DSparkSettings
-from vllm_dspark.testing.engine import (
+from vllm_dspark.bench.engine import (
     acceptance_summary,
     draft_kv_blocks,
     dspark_report,
@@ -31,6 +30,7 @@ from vllm_dspark.testing.engine import (
     read_trace,
     spec_metrics,
 )
+from vllm_dspark.serving.settings import DSparkSettings
 from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine

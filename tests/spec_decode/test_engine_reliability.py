@@ -32,7 +32,7 @@ import time
 import pytest
 import torch
 
-from vllm_dspark.testing.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
+from vllm_dspark.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]

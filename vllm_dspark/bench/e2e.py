@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark.testing.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
+from vllm_dspark.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 
 @dataclass

@@ -393,7 +393,7 @@ class DSparkProposer(DFlashProposer):
         from vllm_dspark.ops import markov_draft
 
         model = self.model
-        mw = model.markov if self.settings.use_markov else model.markov.without_bias()
+        mw = self._drafting_weights()
         r = len(req_rows)
         base = model.compute_logits(rows)[:, : mw.vocab].reshape(r, n, mw.vocab)
         conf_base = mw.confidence_base(rows)
@@ -427,6 +427,15 @@ class DSparkProposer(DFlashProposer):
             probs = torch.zeros(r, n, mw.vocab, dtype=torch.float32, device=base.device)
             probs[idx] = q_s
         return tokens, conf, probs
+
+    def _drafting_weights(self):
+        """The Markov stage's weights; the ablation's bias-free copy is built once, not every step."""
+        mw = self.model.markov
+        if self.settings.use_markov:
+            return mw
+        if getattr(self, "_ablation_src", None) is not mw:
+            self._ablation_src, self._ablation = mw, mw.without_bias()
+        return self._ablation
 
     def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
         temps = getattr(sampling_metadata, "temperature", None)

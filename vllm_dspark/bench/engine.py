@@ -1,4 +1,4 @@
-"""Start and stop vLLM engines for tests and scripts, and read their spec-decode metrics."""
+"""Start and stop vLLM engines (benchmarks, scripts and tests), and read their spec-decode metrics."""
 
 from __future__ import annotations
 
