@@ -89,6 +89,7 @@ from typing import Any
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
+from vllm_dspark.spec_decode.markov_inputs import markov_stage_inputs
 from vllm_dspark.versions import V2_SERIES, require
 
 logger = logging.getLogger("vllm_dspark")
@@ -237,26 +238,17 @@ def run_markov_stage(
     n = speculator.num_speculative_steps
     num_sample = num_reqs * n
     sample_hidden = head_hidden[speculator.sample_indices[:num_sample]]  # [R*N, H]
-    base = compute_draft_logits(sample_hidden)  # [R*N, V]
+    use_conf = bool(getattr(speculator, "use_confidence_head", False))
+    base, conf_base = markov_stage_inputs(weights, sample_hidden, compute_draft_logits, num_reqs, n,
+                                          with_confidence=use_conf)  # [R, N, V], [R, N] fp32 or None
     V = weights.vocab
-    if base.shape[-1] != V:
-        raise RuntimeError(f"vllm_dspark: draft logits have {base.shape[-1]} columns but the Markov head "
-                           f"has {V} rows")
-    base = base.reshape(num_reqs, n, V)  # [R, N, V]
     dev = base.device
 
     anchors = speculator.input_buffers.input_ids[speculator._anchor_idx[:num_reqs]].to(torch.int64)  # [R]
     temperature, seeds = request_sampling_params(speculator, num_reqs)
 
-    use_conf = bool(getattr(speculator, "use_confidence_head", False))
-    conf_base = conf_w_markov = None
+    conf_w_markov = weights.conf_w_markov if use_conf else None
     if use_conf:
-        conf_base = weights.confidence_base(sample_hidden)
-        if conf_base is None:
-            raise RuntimeError("vllm_dspark: the speculator wants confidences but the draft has no "
-                               "confidence head")
-        conf_base = conf_base.view(num_reqs, n)  # [R, N] fp32
-        conf_w_markov = weights.conf_w_markov
         out_conf = speculator.draft_token_confidence_probs[:num_reqs]  # [R, N] fp32
     else:
         out_conf = torch.empty(num_reqs, n, dtype=torch.float32, device=dev)

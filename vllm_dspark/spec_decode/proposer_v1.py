@@ -50,6 +50,7 @@ from vllm_dspark.serving.settings import DSparkSettings, settings_of
 from vllm_dspark.spec_decode import budget as B
 from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.context_kv import PendingContext
+from vllm_dspark.spec_decode.markov_inputs import markov_stage_inputs
 from vllm_dspark.spec_decode.overrides import check_couplings
 from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
 
@@ -395,9 +396,8 @@ class DSparkProposer(DFlashProposer):
         model = self.model
         mw = self._drafting_weights()
         r = len(req_rows)
-        base = model.compute_logits(rows)[:, : mw.vocab].reshape(r, n, mw.vocab)
-        conf_base = mw.confidence_base(rows)
-        conf_base = None if conf_base is None else conf_base.view(r, n)
+        base, conf_base = markov_stage_inputs(mw, rows, model.compute_logits, r, n,
+                                              with_confidence=mw.conf_w_hidden is not None)
         sel = torch.tensor(req_rows, dtype=torch.int64)
         anchors = anchors[sel.to(anchors.device)].to(torch.int64)
         is_sampled = torch.from_numpy(np.asarray(sampled, dtype=bool)[req_rows].copy())
