@@ -160,3 +160,16 @@ def test_profile_cache_on_off_or_a_directory():
     assert resolve().profile_cache == "on"
     assert resolve(env={"VLLM_DSPARK_PROFILE_CACHE": "0"}).profile_cache == "off"
     assert resolve(opts={"profile_cache": "/tmp/profiles"}).profile_cache == "/tmp/profiles"
+
+
+def test_async_scheduling_turns_the_default_budget_into_fixed_and_refuses_a_chosen_cut():
+    from vllm_dspark.serving.settings import for_async_scheduling
+
+    s, warning = for_async_scheduling(resolve())
+    assert s.verification == "fixed" and s.source("verification") == "async scheduling"
+    assert "--no-async-scheduling" in warning
+    fixed = resolve(opts={"verification": "fixed"})
+    assert for_async_scheduling(fixed) == (fixed, None)
+    for opts, n in (({"verification": "budget"}, None), ({"max_draft_context": 100}, None), ({}, 3)):
+        with pytest.raises(DSparkSettingsError, match="needs synchronous scheduling"):
+            for_async_scheduling(resolve(opts=opts, n=n))

@@ -147,6 +147,28 @@ class DSparkSettings:
         return cls(**kw)
 
 
+def for_async_scheduling(s: DSparkSettings) -> tuple[DSparkSettings, str | None]:
+    """The settings under vLLM's asynchronous scheduling, and the warning to log (or None).
+
+    With async scheduling the V1 runner verifies a fixed number of drafts per request, so a
+    rule that cuts drafts cannot run. The default budget falls back to ``fixed`` (with a
+    warning); a rule, a context gate or a verify cap the user chose is refused.
+    """
+    if not s.cuts_drafts:
+        return s, None
+    if s.source("verification") == "default" and s.max_draft_context is None \
+            and s.max_draft_tokens == s.num_draft_tokens:
+        return (dataclasses.replace(s, verification="fixed",
+                                    sources=s.sources + (("verification", "async scheduling"),)),
+                "async scheduling is on, and the V1 runner then verifies a fixed number of drafts per request: "
+                "budgeted verification is off (start vLLM with --no-async-scheduling to use it)")
+    raise DSparkSettingsError(
+        f"verification {s.verification!r} (or a context gate, or num_speculative_tokens below the block) cuts "
+        "drafts per request, which needs synchronous scheduling on the V1 runner; start vLLM with "
+        "--no-async-scheduling (LLM(..., async_scheduling=False)), or set "
+        f"speculative_config['{SPEC_KEY}']['verification'] to 'fixed'")
+
+
 def settings_of(hf_config: Any) -> DSparkSettings:
     """The settings the config patch attached to the draft's HF config (never a default)."""
     raw = getattr(hf_config, ATTR, None)

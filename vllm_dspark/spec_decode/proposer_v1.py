@@ -46,7 +46,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
-from vllm_dspark.serving.settings import DSparkSettings, settings_of
+from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
 from vllm_dspark.spec_decode import budget as B
 from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.context_kv import PendingContext
@@ -64,19 +64,10 @@ class DSparkProposer(DFlashProposer):
         self.runner = runner
         spec = vllm_config.speculative_config
         s = settings_of(spec.draft_model_config.hf_config)
-        if s.cuts_drafts and getattr(runner, "use_async_scheduling", False):
-            if s.source("verification") == "default" and s.max_draft_context is None \
-                    and s.max_draft_tokens == s.num_draft_tokens:
-                logger.warning("vllm_dspark: async scheduling is on, and the V1 runner then verifies a fixed "
-                               "number of drafts per request: budgeted verification is off (start vLLM with "
-                               "--no-async-scheduling to use it)")
-                s = _replace(s, verification="fixed", sources=s.sources + (("verification", "async scheduling"),))
-            else:
-                raise ValueError(
-                    f"vllm_dspark: verification {s.verification!r} (or a context gate, or num_speculative_tokens "
-                    "below the block) cuts drafts per request, which needs synchronous scheduling on the V1 "
-                    "runner; start vLLM with --no-async-scheduling (LLM(..., async_scheduling=False)), or set "
-                    "speculative_config['dspark']['verification'] to 'fixed'")
+        if getattr(runner, "use_async_scheduling", False):
+            s, warning = for_async_scheduling(s)
+            if warning:
+                logger.warning("vllm_dspark: %s", warning)
         self.settings: DSparkSettings = s
         self.block = s.block_size
         self.n_draft = s.num_draft_tokens
@@ -514,9 +505,3 @@ def _unseeded_draft_seed(base: int, req_id: str, position: int) -> int:
     on every rank and in every process: no Python ``hash``, whose salt differs per process)."""
     digest = hashlib.blake2b(f"{base}:{req_id}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2 ** 62 - 1)
-
-
-def _replace(s: DSparkSettings, **kw) -> DSparkSettings:
-    import dataclasses
-
-    return dataclasses.replace(s, **kw)
