@@ -9,8 +9,11 @@ Stages, in order (each reads the previous stages' outputs from --work-dir):
 - ``data``: corpus split, tokenizer, held-out prompts;
 - ``target``: train the Qwen3 target and save it (HF layout, bf16);
 - ``generate``: the target's greedy continuations of train-split prompts (the
-  drafter's distillation data: exactly the text it will draft at greedy);
-- ``drafter``: train the DSpark drafter against the target;
+  drafter's distillation data: exactly the text it will draft at greedy), and
+  the target's features of them (``training/features.py``, as for the default
+  pair);
+- ``drafter``: train the DSpark drafter on those features with the one trainer
+  (``training/trainer.py``);
 - ``export``: write the drafter in the SpecForge layout and copy both models
   and the loss curves into ``tests/fixtures/toy_pair``.
 
@@ -95,14 +98,10 @@ def stage_target(args, work: Path) -> None:
 
 def stage_generate(args, work: Path) -> None:
     import numpy as np
+    import torch
 
-    from vllm_dspark.training.capture import (
-        DistillSet,
-        generate_distill_set,
-        greedy_decode_vllm,
-        load_target,
-        sample_prompts,
-    )
+    from vllm_dspark.training.capture import generate_distill_set, greedy_decode_vllm, load_target, sample_prompts
+    from vllm_dspark.training.features import capture
     from vllm_dspark.training.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
@@ -124,7 +123,8 @@ def stage_generate(args, work: Path) -> None:
                                            seq_len=args.gen_len, log=log, **kw)
                 for name, (stream, num, seed) in sets.items()}
     for name, (ids, plens) in data.items():
-        DistillSet.build(target, ids, plens, layer_ids, work / f"distill_{name}", log=log)
+        rows = [{"ids": [int(t) for t in seq], "gen_spans": [[int(p), len(seq)]]} for seq, p in zip(ids, plens)]
+        capture(work / "target", rows, work / f"features_{name}", layer_ids, top_k=32, dtype=torch.float32, log=log)
         log(f"[generate] {name}: {len(ids)} sequences, {int(np.sum(ids.shape[1] - plens))} "
             f"generated tokens, features of target layers {list(layer_ids)}")
 
@@ -144,25 +144,30 @@ def _drafter_config(args, target, tok):
 def stage_drafter(args, work: Path) -> None:
     import torch
 
-    from vllm_dspark.training.capture import DistillSet, load_target
-    from vllm_dspark.training.drafter import DrafterTrainArgs, init_drafter, train_drafter
+    from vllm_dspark.training.capture import load_target, target_embed_and_head
+    from vllm_dspark.training.drafter import init_drafter
+    from vllm_dspark.training.features import FeatureSet
     from vllm_dspark.training.tokenizer import load_tokenizer
+    from vllm_dspark.training.trainer import TrainArgs, eval_anchors, fold_aux_scale, train
 
     tok = load_tokenizer(work / "tokenizer")
     target = load_target(work / "target")
+    embed, lm_head = target_embed_and_head(target)
     cfg = _drafter_config(args, target, tok)
     model = init_drafter(cfg, seed=args.seed)
     n = sum(p.numel() for p in model.parameters())
     log(f"[drafter] {cfg.num_hidden_layers} layer(s), markov_rank {cfg.markov_rank}, "
         f"target_layer_ids {list(cfg.target_layer_ids)}: {n / 1e6:.2f} M parameters")
-    dargs = DrafterTrainArgs(steps=args.drafter_steps, seed=args.seed,
-                             max_minutes=args.drafter_minutes or None)
-    curve = train_drafter(model, target, DistillSet(work / "distill_train"),
-                          DistillSet(work / "distill_eval"), dargs, log=log)
+    held = FeatureSet(work / "features_eval")
+    targs = TrainArgs(steps=args.drafter_steps, seed=args.seed, eval_every=max(1, args.drafter_steps // 6))
+    rec = train(model, embed, lm_head, FeatureSet(work / "features_train"),
+                {"heldout": (held, eval_anchors(held, cfg.block_size, 512, seed=args.seed + 1))}, targs,
+                work / "drafter_run", log=log, stop_after_s=args.drafter_minutes * 60 or None)
+    fold_aux_scale(model, torch.load(work / "drafter_run" / "ckpt.pt", weights_only=False)["aux_scale"])
     torch.save({"config": cfg.to_hf_dict(), "state": model.state_dict()}, work / "drafter_fp32.pt")
     (work / "drafter_loss.json").write_text(json.dumps(
-        {"config": cfg.to_hf_dict(), "train_args": vars(dargs), "steps_run": curve[-1]["step"],
-         "curve": curve}, indent=1))
+        {"config": cfg.to_hf_dict(), "train_args": rec["args"], "steps_run": rec["steps_run"],
+         "curve": rec["curve"]}, indent=1))
     log(f"[drafter] saved to {work / 'drafter_fp32.pt'}")
 
 
@@ -235,8 +240,8 @@ def main(argv=None) -> int:
                     help="comma-separated; default every other inner layer")
     ap.add_argument("--drafter-steps", type=int, default=1200)
     ap.add_argument("--drafter-minutes", type=float, default=30.0,
-                    help="wall-clock budget of the drafter stage's training loop (0: none, "
-                         "step-exact); the schedule ends at whichever comes first")
+                    help="wall-clock budget of this run of the drafter stage (0: none); a later run "
+                         "resumes from its checkpoint until --drafter-steps")
     args = ap.parse_args(argv)
 
     import torch

@@ -215,3 +215,40 @@ def test_ablation_without_markov_head_trains(features, target_dir, embed, tmp_pa
     assert np.isfinite(rec["curve"][-1]["loss"])
     with pytest.raises(FileNotFoundError):
         FeatureSet(tmp_path / "nothing")
+
+
+def test_packed_blocks_match_single_block_drafting(features, target_dir, embed):
+    """Training packs many blocks per conversation into one pass; each must equal drafting that block alone."""
+    fs, _ = features
+    cfg = _config(target_dir)
+    model = init_drafter(cfg, seed=0).eval()
+    anchors = sample_anchors(fs, 2, 4, cfg.block_size, torch.Generator().manual_seed(0))
+    blk = make_blocks(cfg, fs, [2], [anchors])
+    row = fs.get(2)
+    with torch.no_grad():
+        packed = model.backbone(blk.aux.float(), blk.ctx_positions, embed[blk.query_ids], blk.query_positions,
+                                blk.mask)
+        b = cfg.block_size
+        for k, p in enumerate(anchors.tolist()):
+            alone = model.draft(row["aux"][None, :p].float(), torch.tensor([p]), row["ids"][p:p + 1], embed, embed)
+            torch.testing.assert_close(alone.hidden.float(), packed[:, k * b:(k + 1) * b].float(),
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_a_few_steps_lower_the_loss_on_a_fixed_batch(features, target_dir, embed):
+    fs, _ = features
+    cfg = _config(target_dir)
+    model = init_drafter(cfg, seed=0)
+    anchors = [sample_anchors(fs, c, 6, cfg.block_size, torch.Generator().manual_seed(c)) for c in (0, 1)]
+    blk = make_blocks(cfg, fs, [0, 1], anchors)
+    args = TrainArgs()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first, _ = block_loss(model, blk, embed, embed, args, None, True)
+    for _ in range(40):
+        loss, _ = block_loss(model, blk, embed, embed, args, None, True)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    last, metrics = block_loss(model, blk, embed, embed, args, None, True)
+    assert last.item() < 0.8 * first.item(), (first.item(), last.item())
+    assert {"loss", "tv"} <= set(metrics)

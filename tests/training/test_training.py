@@ -11,14 +11,7 @@ import torch
 
 from vllm_dspark.checkpoint import load_reference_model, validate_checkpoint
 from vllm_dspark.training.capture import greedy_generate, target_pass
-from vllm_dspark.training.drafter import (
-    DrafterTrainArgs,
-    build_blocks,
-    build_drafter_config,
-    drafter_loss,
-    init_drafter,
-    sample_anchors,
-)
+from vllm_dspark.training.drafter import build_drafter_config, init_drafter
 from vllm_dspark.training.evaluate import simulate_acceptance
 from vllm_dspark.training.export import export_drafter
 
@@ -49,78 +42,6 @@ def target():
 def drafter_config(target):
     return build_drafter_config(target.config, mask_token_id=MASK, target_layer_ids=(0, 2),
                                 markov_rank=8)
-
-
-def fixed_batch(target, cfg, seed=0, n=2, length=40, anchors=4):
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (n, length), generator=gen)
-    tp = target_pass(target, ids, cfg.target_layer_ids)
-    a = sample_anchors([length] * n, [1] * n, anchors, cfg.block_size, gen)
-    return ids, build_blocks(cfg, tp.aux, tp.logits, ids, a), a
-
-
-def test_block_layout(target, drafter_config):
-    """Queries are [anchor, mask x 6]; labels are the target's argmax at p..p+6; prev is shifted."""
-    cfg = drafter_config
-    ids, batch, anchors = fixed_batch(target, cfg)
-    b = cfg.block_size
-    q = batch.query_ids.view(2, -1, b)
-    assert torch.equal(q[:, :, 0], torch.gather(ids, 1, anchors))
-    assert bool((q[:, :, 1:] == MASK).all())
-    tgt = target(input_ids=ids).logits.argmax(-1)
-    for n in range(2):
-        for k, p in enumerate(anchors[n].tolist()):
-            assert torch.equal(batch.labels.view(2, -1, b)[n, k], tgt[n, p:p + b])
-            assert torch.equal(batch.query_positions.view(2, -1, b)[n, k], torch.arange(p, p + b))
-    prev = batch.prev_ids.view(2, -1, b)
-    assert torch.equal(prev[:, :, 0], q[:, :, 0])
-    assert torch.equal(prev[:, :, 1:], batch.labels.view(2, -1, b)[:, :, :-1])
-
-
-def test_packed_blocks_match_single_block_drafting(target, drafter_config):
-    """Training packs many blocks per sequence; each must equal drafting that block alone."""
-    cfg = drafter_config
-    model = init_drafter(cfg, seed=0).eval()
-    torch.nn.init.normal_(model.markov_head.markov_w2.weight, std=0.05)
-    ids, batch, anchors = fixed_batch(target, cfg)
-    embed = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings().weight
-    with torch.no_grad():
-        hidden = model.backbone(batch.aux, batch.ctx_positions, embed[batch.query_ids],
-                                batch.query_positions, batch.mask)
-        logits = model.teacher_forced_logits(hidden, batch.prev_ids, lm_head)
-    b = cfg.block_size
-    for n in range(2):
-        for k, p in enumerate(anchors[n].tolist()):
-            out = model.draft(batch.aux[n:n + 1, :p], torch.tensor([p]), ids[n, p:p + 1], embed, lm_head)
-            rows = slice(k * b, (k + 1) * b)
-            torch.testing.assert_close(out.hidden.float(), hidden[n:n + 1, rows].float(),
-                                       atol=1e-5, rtol=1e-5)
-            # With the labels as previous tokens, the teacher-forced argmax is the
-            # sequential draft wherever all earlier positions agree.
-            agree = (logits[n, rows].argmax(-1) == batch.labels[n, rows]).long().cumprod(0)
-            first = int(agree.sum())
-            assert torch.equal(out.tokens[0, :first + 1 if first < b else b],
-                               logits[n, rows].argmax(-1)[:first + 1 if first < b else b])
-
-
-def test_training_step_reduces_loss(target, drafter_config):
-    cfg = drafter_config
-    model = init_drafter(cfg, seed=0)
-    _, batch, _ = fixed_batch(target, cfg)
-    embed = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings().weight
-    args = DrafterTrainArgs()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    first, _ = drafter_loss(model, batch, embed, lm_head, args)
-    for _ in range(8):
-        loss, metrics = drafter_loss(model, batch, embed, lm_head, args)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    last, metrics = drafter_loss(model, batch, embed, lm_head, args)
-    assert last.item() < 0.8 * first.item(), (first.item(), last.item())
-    assert set(metrics) >= {"ce", "tv", "bce", "tf_accept_len"}
 
 
 def test_target_step_reduces_loss():
@@ -212,32 +133,33 @@ def test_bundled_pair_is_consistent():
     assert total <= 50 * 10**6
 
 
-def test_distill_set_and_training_loop(tmp_path, target, drafter_config):
-    """Generate -> capture -> a few training steps, end to end on the tiny target."""
-    from vllm_dspark.training.capture import DistillSet, generate_distill_set
-    from vllm_dspark.training.drafter import train_drafter
+def test_greedy_continuations_become_features_the_trainer_reads(tmp_path, target, drafter_config):
+    """The toy pipeline's path (scripts/train_tiny.py): greedy text -> captured features -> the one trainer."""
+    from vllm_dspark.training.capture import generate_distill_set
+    from vllm_dspark.training.features import capture
+    from vllm_dspark.training.trainer import TrainArgs, eval_anchors, train
 
     cfg = drafter_config
     stream = np.random.RandomState(0).randint(3, VOCAB, 500).astype(np.int32)
     ids, plens = generate_distill_set(target, stream, num_seqs=6, batch_size=4, seq_len=32,
                                       min_prompt=4, max_prompt=8, seed=0, log=lambda *_: None)
     assert ids.shape == (6, 32) and plens.min() >= 4
-    data = DistillSet.build(target, ids, plens, cfg.target_layer_ids, tmp_path / "d",
-                            batch_size=4, log=lambda *_: None)
-    got_ids, got_plens, aux, logits = data.get([5, 1])
-    ref = target_pass(target, torch.from_numpy(ids[[5, 1]]).long(), cfg.target_layer_ids)
-    assert torch.equal(got_ids, torch.from_numpy(ids[[5, 1]]).long())
-    torch.testing.assert_close(aux, ref.aux.to(torch.bfloat16).float())
-    torch.testing.assert_close(logits, ref.logits.to(torch.bfloat16).float())
     # Greedy text: past the prompt each token is the target's argmax of the previous position.
     p = int(plens[0])
     tf = target(input_ids=torch.from_numpy(ids[:1]).long()).logits.argmax(-1)[0]
     assert (tf[p - 1:-1] == torch.from_numpy(ids[0, p:]).long()).float().mean() > 0.9
+    target.save_pretrained(str(tmp_path / "target"))
+    rows = [{"ids": [int(t) for t in seq], "gen_spans": [[int(q), len(seq)]]} for seq, q in zip(ids, plens)]
+    fs = capture(tmp_path / "target", rows, tmp_path / "f", cfg.target_layer_ids, top_k=8, dtype=torch.float32,
+                 log=lambda *_: None)
+    assert len(fs) == 6 and bool(fs.get(0)["gen"][p:].all()) and not bool(fs.get(0)["gen"][:p].any())
+    embed = target.get_input_embeddings().weight.detach()
     model = init_drafter(cfg, seed=0)
-    args = DrafterTrainArgs(steps=3, batch_size=2, anchors_per_seq=3, log_every=1, eval_every=3,
-                            warmup_steps=1)
-    curve = train_drafter(model, target, data, data, args, log=lambda *_: None)
-    assert len(curve) == 3 and "eval" in curve[-1]
+    rec = train(model, embed, target.get_output_embeddings().weight.detach(), fs,
+                {"heldout": (fs, eval_anchors(fs, cfg.block_size, 12, seed=1))},
+                TrainArgs(steps=3, seqs_per_step=2, anchors_per_seq=3, log_every=1, eval_every=3),
+                tmp_path / "run", log=lambda *_: None)
+    assert rec["finished"] and len(rec["curve"]) == 3 and "eval" in rec["curve"][-1]
 
 
 @pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="no bundled drafter")

@@ -1,14 +1,17 @@
-"""Training of the bundled default pair: a tiny Qwen3 target and its DSpark drafter.
+"""Training DSpark drafters: one pipeline, two users.
 
-Everything here runs on a CPU in about an hour and is deterministic for a
-given seed. The pieces, in pipeline order:
+``scripts/train_default.py`` trains the default pair's drafter (SmolLM2-135M-Instruct's own
+answers to ShareGPT and code prompts, ``docs/training.md``); ``scripts/train_tiny.py`` rebuilds
+the toy pair the tests use (a tiny Qwen3 target trained on the standard library). Both go
+through the same capture and trainer. The pieces:
 
-- :mod:`.corpus` the Python standard library's source, split by file;
-- :mod:`.tokenizer` a byte-level BPE tokenizer with a reserved mask token;
-- :mod:`.target` the target language model (``Qwen3ForCausalLM``);
-- :mod:`.capture` the target's aux hidden states and greedy labels;
-- :mod:`.drafter` the DSpark drafter's training loss and loop;
-- :mod:`.export` the SpecForge-layout export of the drafter.
-
-``scripts/train_tiny.py`` runs the whole pipeline.
+- :mod:`.sharegpt`, :mod:`.prompt_set` the training prompts, deduplicated and disjoint from
+  every evaluation prompt; :mod:`.chat_prompts` the evaluation prompts;
+- :mod:`.generate` the target's answers, through vLLM, resumable per conversation;
+- :mod:`.features` the target's aux hidden states and top-K next-token distribution, captured once;
+- :mod:`.trainer` the one drafter trainer (dense anchors, candidate-set loss, resumable);
+- :mod:`.drafter` the drafter's shape and starting weights for a target;
+- :mod:`.export` the SpecForge-layout export;
+- :mod:`.corpus`, :mod:`.tokenizer`, :mod:`.target`, :mod:`.capture` the toy pair's corpus,
+  tokenizer, target and greedy continuations; :mod:`.evaluate` offline acceptance.
 """

@@ -9,13 +9,14 @@ supports. The embedding is tied to the LM head, which the drafter borrows.
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from vllm_dspark.training.trainer import cosine_lr
 
 
 @dataclass
@@ -99,13 +100,6 @@ def sample_windows(stream: np.ndarray, batch_size: int, seq_len: int,
     hi = len(stream) - seq_len
     starts = torch.randint(0, hi, (batch_size,), generator=gen).tolist()
     return torch.from_numpy(np.stack([stream[s:s + seq_len] for s in starts])).long()
-
-
-def cosine_lr(step: int, total: int, base: float, warmup: int, min_ratio: float) -> float:
-    if step < warmup:
-        return base * (step + 1) / warmup
-    t = min(1.0, (step - warmup) / max(1, total - warmup))
-    return base * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
 @torch.no_grad()
