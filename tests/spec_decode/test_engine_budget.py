@@ -104,6 +104,7 @@ def test_default_budget_profiles_costs_and_stays_lossless(profiled, qwen_baselin
     assert st["tokens_admitted"] > 0.5 * st["tokens_drafted"], st
     # vLLM's count of verified draft tokens equals the proposer's own feedback count.
     assert s["num_draft_tokens"] == st["tokens_verified_observed"], (s, st)
+    assert s["num_drafts"] == st["drafts_observed"], (s, st)  # what the interleaved benchmark reads
     assert s["mean_acceptance_length"] > 2.0, s
     cal = report["calibration"]
     assert sum(cal["count"]) > 0 and 0.0 <= cal["ece"] <= 1.0

@@ -37,8 +37,9 @@ def test_counters_and_log_line():
     s.add_acceptance(3, 0)
     s.add_step(drafted=True, cap=7, kept=[2, 0], probe=True)  # a probe: one request's first two drafts
     assert s.as_dict() == {"steps": 3, "steps_drafted": 2, "steps_probed": 1, "steps_skipped": 1, "requests": 4,
-                           "tokens_drafted": 23, "tokens_admitted": 12, "empty_drafts": 1,
-                           "tokens_verified_observed": 10, "tokens_accepted": 5}
+                           "tokens_drafted": 23, "tokens_admitted": 12, "empty_drafts": 1, "drafts_observed": 2,
+                           "tokens_verified_observed": 10, "tokens_accepted": 5,
+                           "accepted_per_position": [1, 1, 1, 1, 1]}
     assert s.line("budget") == ("DSpark verification (budget): admitted 12/23 drafted tokens (52.2%), 1 empty "
                                 "drafts, 1/3 steps without drafting, 1 probes; accepted 5/10 verified draft tokens "
                                 "(50.0%)")

@@ -38,10 +38,19 @@ def llm_engine(model: str, *, speculative_config: dict | None = None, env: dict 
 
 
 def spec_metrics(llm) -> dict:
-    """Spec-decode counters from ``llm.get_metrics()`` (cumulative since the engine started)."""
+    """Spec-decode counters from ``llm.get_metrics()`` (cumulative since the engine started).
+
+    vLLM keeps its metrics in one Prometheus registry per process, so engines living in the
+    same process share it; only the samples labelled with this engine's served model name are
+    read (engines alive together need distinct ``served_model_name`` s, as ``run_interleaved``
+    gives them).
+    """
+    own = getattr(getattr(llm.llm_engine, "model_config", None), "served_model_name", None)
     out: dict = {}
     for m in llm.get_metrics():
         if not m.name.startswith("vllm:spec_decode"):
+            continue
+        if own is not None and m.labels.get("model_name", own) != own:
             continue
         key = m.name.split("vllm:spec_decode_")[1]
         out[key] = list(m.values) if hasattr(m, "values") else m.value

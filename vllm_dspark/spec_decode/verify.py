@@ -61,7 +61,7 @@ class VerifyStats:
     """What the verification rule kept, and what the target then accepted (thread-safe counters)."""
 
     FIELDS = ("steps", "steps_drafted", "steps_probed", "steps_skipped", "requests", "tokens_drafted",
-              "tokens_admitted", "empty_drafts", "tokens_verified_observed", "tokens_accepted")
+              "tokens_admitted", "empty_drafts", "drafts_observed", "tokens_verified_observed", "tokens_accepted")
     # Set to 0 for each name in FIELDS by __init__ (declared here for type checkers).
     steps: int
     steps_drafted: int  # the drafter ran: full drafting steps and probes
@@ -71,6 +71,7 @@ class VerifyStats:
     tokens_drafted: int
     tokens_admitted: int
     empty_drafts: int
+    drafts_observed: int  # (request, step) pairs that verified at least one draft: vLLM's num_drafts
     tokens_verified_observed: int
     tokens_accepted: int
 
@@ -78,6 +79,7 @@ class VerifyStats:
         self._lock = threading.Lock()
         for f in self.FIELDS:
             setattr(self, f, 0)
+        self.accepted_per_position: list[int] = []  # drafts whose position j was accepted (vLLM's per-pos)
 
     def add_step(self, *, drafted: bool, cap: int, kept: Sequence[int], probe: bool = False) -> None:
         with self._lock:
@@ -99,12 +101,18 @@ class VerifyStats:
 
     def add_acceptance(self, verified: int, accepted: int) -> None:
         with self._lock:
+            self.drafts_observed += 1 if verified > 0 else 0
             self.tokens_verified_observed += verified
             self.tokens_accepted += accepted
+            if accepted > len(self.accepted_per_position):
+                self.accepted_per_position += [0] * (accepted - len(self.accepted_per_position))
+            for j in range(accepted):
+                self.accepted_per_position[j] += 1
 
     def as_dict(self) -> dict:
         with self._lock:
-            return {f: getattr(self, f) for f in self.FIELDS}
+            return {**{f: getattr(self, f) for f in self.FIELDS},
+                    "accepted_per_position": list(self.accepted_per_position)}
 
     def line(self, mode: str) -> str:
         d = self.as_dict()
