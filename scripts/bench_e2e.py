@@ -52,7 +52,8 @@ def annotate(rows: list[dict]) -> None:
     base = {(r["dataset"], r["concurrency"], r["temperature"]): r for r in rows if r["config"] == "no-spec"}
     for r in rows:
         b = base.get((r["dataset"], r["concurrency"], r["temperature"]))
-        r["speedup"] = r["tokens_per_s"] / b["tokens_per_s"] if b else None
+        # Interleaved runs: the median of the per-repeat ratios (each repeat's pair ran back to back).
+        r["speedup"] = r.get("speedup_median", r["tokens_per_s"] / b["tokens_per_s"] if b else None)
         if b is not None and r["temperature"] == 0.0 and r["config"] != "no-spec":
             same = [x == y for x, y in zip(r["outputs"], b["outputs"])]
             r["greedy_identical"] = f"{sum(same)}/{len(same)}"
@@ -65,8 +66,9 @@ def breakdown(r: dict) -> dict | None:
         return None
     steps = max(1, d["stats"]["steps"])
     t = d["timings_s"]
+    # With every engine alive (interleaved), the time outside propose includes the other engines' turns.
     return {"steps": steps,
-            "target_step_ms": 1e3 * t["outside_propose"] / steps,
+            "target_step_ms": None if "repeats" in r else 1e3 * t["outside_propose"] / steps,
             "drafter_forward_ms": 1e3 * (t["layout"] + t["block_forward"] + t["context_kv_only"]
                                          + t.get("held", 0.0) + t.get("context_flush", 0.0)) / steps,
             "markov_stage_ms": 1e3 * t["markov_stage"] / steps,
@@ -88,6 +90,10 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ms(x) -> str:
+    return "- (interleaved)" if x is None else f"{x:.1f}"
+
+
 def breakdown_table(rows: list[dict]) -> str:
     lines = ["| dataset | config | C | T | steps | target step ms | drafter fwd ms | Markov stage ms | "
              "proposer overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
@@ -95,7 +101,7 @@ def breakdown_table(rows: list[dict]) -> str:
         b = breakdown(r)
         if b:
             lines.append(f"| {r['dataset']} | {r['config']} | {r['concurrency']} | {r['temperature']:g} | "
-                         f"{b['steps']} | {b['target_step_ms']:.1f} | {b['drafter_forward_ms']:.1f} | "
+                         f"{b['steps']} | {_ms(b['target_step_ms'])} | {b['drafter_forward_ms']:.1f} | "
                          f"{b['markov_stage_ms']:.1f} | {b['python_overhead_ms']:.2f} |")
     return "\n".join(lines)
 
@@ -186,7 +192,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         bottom = [0.0] * len(br)
         for key, name in (("target_step_ms", "target step"), ("drafter_forward_ms", "drafter forward"),
                           ("markov_stage_ms", "Markov stage"), ("python_overhead_ms", "proposer overhead")):
-            vals = [b[key] for _, b in br]
+            vals = [b[key] or 0.0 for _, b in br]
             ax.bar(range(len(br)), vals, bottom=bottom, label=name)
             bottom = [x + y for x, y in zip(bottom, vals)]
         ax.set_xticks(range(len(br)))
@@ -199,6 +205,27 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         plt.close(fig)
         made.append("step_breakdown.png")
     return made
+
+
+def write_report(meta: dict, slim: list[dict], out: Path) -> None:
+    made = plots(slim, out)
+    report = (f"# DSpark end-to-end benchmark ({meta['suite']}, {meta['pair']})\n\n```\n{json.dumps(meta, indent=1)}"
+              f"\n```\n\n## Throughput and acceptance\n\n{table(slim)}\n\n## Where a step's time goes\n\n"
+              f"{breakdown_table(slim)}\n\n## Calibration of the confidence head\n\n{calibration_table(slim)}\n\n"
+              + "\n".join(f"![{p}]({p})" for p in made) + "\n")
+    (out / "report.md").write_text(report)
+    print(table(slim))
+    print(f"wrote {out}/results.json, report.md, {', '.join(made)}")
+
+
+def rewrite_report(out: Path) -> int:
+    """--report-only: the report and plots again from ``results.json`` (no engine)."""
+    data = json.loads((out / "results.json").read_text())
+    for r in data["rows"]:
+        if "speedup_median" in r:
+            r["speedup"] = r["speedup_median"]
+    write_report(data["meta"], data["rows"], out)
+    return 0
 
 
 def main() -> int:
@@ -217,7 +244,11 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats per cell, every engine alive (1: one engine at a time, in turn)")
+    ap.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from --out's "
+                    "results.json")
     args = ap.parse_args()
+    if args.report_only:
+        return rewrite_report(Path(args.out))
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -280,14 +311,7 @@ def main() -> int:
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps({"meta": meta, "rows": slim}, indent=1))
     tmp.replace(out / "results.json")
-    made = plots(slim, out)
-    report = (f"# DSpark end-to-end benchmark ({args.suite}, {pair.name})\n\n```\n{json.dumps(meta, indent=1)}\n```\n\n"
-              f"## Throughput and acceptance\n\n{table(slim)}\n\n## Where a step's time goes\n\n"
-              f"{breakdown_table(slim)}\n\n## Calibration of the confidence head\n\n{calibration_table(slim)}\n\n"
-              + "\n".join(f"![{p}]({p})" for p in made) + "\n")
-    (out / "report.md").write_text(report)
-    print(table(slim))
-    print(f"wrote {out}/results.json, report.md, {', '.join(made)}")
+    write_report(meta, slim, out)
     return 0
 
 
