@@ -45,6 +45,7 @@ class FakeProposer:
         self.barrier = barrier
         self.dummy_runs = 0
         self.profile_info = None
+        self.settings = types.SimpleNamespace(profile_cache="on")  # the cache path itself is patched below
 
     def collective(self):
         self.dummy_runs += 1
