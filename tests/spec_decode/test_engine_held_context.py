@@ -89,3 +89,31 @@ def _prompt_of(trace: list[dict], rec: dict) -> int:
     (the first step drafts every prompt, in order)."""
     order = list(dict.fromkeys(r["req_id"] for r in trace))
     return order.index(rec["req_id"])
+
+
+NEVER_PAYS = {"verify": [[1, 0.01], [512, 5.12]], "draft": [[1, 1.0], [64, 1.0]]}
+
+
+def test_held_context_of_finished_requests_never_lands_in_reused_blocks(qwen_pair, prompts, qwen_baseline):
+    """A draft window gives the drafter a KV group of its own, whose layers vLLM lays over the same
+    memory as target layers. Requests that finished with context still held free their blocks; the
+    next requests take them and write their TARGET cache there before the drafter runs. Storing the
+    finished requests' held context then would overwrite it (seen on the default pair: the bf16
+    step-cost check's verify logits went from 0.69 to 3.0 off the floor). Every step here holds its
+    context (drafting never pays); the held tokens of the first batch must be dropped, and the second
+    batch must decode exactly as the target alone. (On this tiny pair the old behaviour happened not
+    to change the outputs; the dropped count is what catches it.)"""
+    from vllm import SamplingParams
+
+    from tests.helpers import make_prompts
+
+    spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7,
+            "dspark": {"verification": "budget", "costs": NEVER_PAYS, "window": 128}}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with llm_engine(qwen_pair["target"], speculative_config=spec, enable_prefix_caching=False) as llm:
+        llm.generate([{"prompt_token_ids": p} for p in make_prompts(seed=1)], params)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        report = dspark_report(llm)
+    assert [list(o.outputs[0].token_ids) for o in outs] == qwen_baseline
+    held = report["held_context"]
+    assert held["enabled"] and held["dropped_tokens"] > 0, held  # the first batch left context held

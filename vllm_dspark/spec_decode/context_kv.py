@@ -10,19 +10,24 @@ draft. Held here instead, the states are stored in one call, for all pending
 steps at once, when the drafter next runs or when this buffer must be emptied.
 
 The buffer is emptied (``flush``) before anything else writes the drafter's
-cache, and whenever a slot it holds could change hands, so that no pending
-write ever lands after a newer write to the same slot:
+cache, and a held write must never land on a block that changed hands:
 
 * only decode-only steps are held (one token per request, nothing verified, so
   no rejected token whose slot the next step writes again);
-* the batch is the same requests in the same order as when the first held step
-  was taken: a request that finished or was preempted frees its blocks only at
-  a later schedule, and the first step after that sees a different batch;
-  requests that arrive (and the prefix-cache hits they bring) also change it;
+* a flush stores only the tokens of requests still in the current batch; those
+  of requests that finished, were aborted or were preempted are dropped. Their
+  blocks may already belong to another request, and with a drafter KV group of
+  its own (a draft window) vLLM lays the drafter's layers over the same memory
+  as target layers, so such a write would overwrite the TARGET's cache of the
+  new owner, which its forward wrote earlier in this very step;
+* a step joins the held ones only when the batch is the same requests in the
+  same order; otherwise what is held is flushed first;
 * at most ``max_steps`` steps are held, so a sliding-window KV manager cannot
   free a held slot (its window must exceed ``max_steps`` plus one KV block;
   the proposer holds nothing otherwise).
 
+Dropping costs only draft quality: a later request that reuses a dropped
+request's cached prefix finds up to ``max_steps`` positions without drafter K/V.
 The stores are exactly the eager ones, batched: the same positions, slots and
 states, in the same order.
 """
@@ -45,7 +50,7 @@ class PendingContext:
         self._states: list[torch.Tensor] = []
         self._positions: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []
-        self.counts = {"held_steps": 0, "held_tokens": 0, "flushes": 0, "flushed_tokens": 0}
+        self.counts = {"held_steps": 0, "held_tokens": 0, "flushes": 0, "flushed_tokens": 0, "dropped_tokens": 0}
 
     @property
     def steps(self) -> int:
@@ -61,8 +66,9 @@ class PendingContext:
         if not self.accepts(req_ids):
             raise RuntimeError("PendingContext.hold: flush first (the batch changed or the buffer is full)")
         n = states.shape[0]
-        if positions.shape[0] != n or slots.shape[0] != n:
-            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots")
+        if positions.shape[0] != n or slots.shape[0] != n or n != len(req_ids):
+            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots for "
+                             f"{len(req_ids)} requests (a decode-only step has one token per request)")
         self.req_ids = tuple(req_ids)
         # Copies: the runner reuses its position and slot buffers on the next step.
         self._states.append(states.clone())
@@ -71,14 +77,24 @@ class PendingContext:
         self.counts["held_steps"] += 1
         self.counts["held_tokens"] += n
 
-    def flush(self, store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> int:
-        """Store everything held with one ``store(states, positions, slots)`` call; returns the tokens."""
+    def flush(self, store: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+              live: Sequence[str]) -> int:
+        """Store the held tokens of the requests in ``live`` (the current batch) with one
+        ``store(states, positions, slots)`` call, drop the others; returns the tokens stored."""
         if not self._states:
             return 0
+        keep = torch.tensor([rid in set(live) for rid in (self.req_ids or ())], dtype=torch.bool)
         states, positions, slots = torch.cat(self._states), torch.cat(self._positions), torch.cat(self._slots)
+        held = states.shape[0]
+        if not bool(keep.all()):
+            mask = keep.repeat(len(self._states))  # one token per request per held step, in batch order
+            states, positions, slots = states[mask], positions[mask], slots[mask]
         self._states, self._positions, self._slots = [], [], []
         self.req_ids = None
-        store(states, positions, slots)
-        self.counts["flushes"] += 1
-        self.counts["flushed_tokens"] += states.shape[0]
-        return int(states.shape[0])
+        n = int(states.shape[0])
+        self.counts["dropped_tokens"] += held - n
+        if n:
+            store(states, positions, slots)
+            self.counts["flushes"] += 1
+            self.counts["flushed_tokens"] += n
+        return n

@@ -184,7 +184,7 @@ class DSparkProposer(DFlashProposer):
         tm["feedback"] += t1 - t0
         decode_only = int(cad.max_query_len) == 1
         if self.pending.steps and (plan.mode != "skip" or not decode_only or not self.pending.accepts(req_ids)):
-            self.pending.flush(self._store_context)
+            self.pending.flush(self._store_context, req_ids)
             t1b = time.perf_counter()
             tm["context_flush"] += t1b - t1
             t1 = t1b
