@@ -36,6 +36,7 @@ from vllm_dspark.serving.settings_table import (
     SETTINGS,
     TRUST_NAMES,
     DSparkSettingsError,
+    disable_flag,
     docstring_table,
     tokens_or_off,
 )
@@ -209,7 +210,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         elif row.env and env.get(row.env, "") != "":
             raw, src = env[row.env], row.env
             if row.name == "use_markov":  # the variable disables: VLLM_DSPARK_DISABLE_MARKOV=1
-                parse = _disable_flag
+                parse = disable_flag
         elif row.dflash_key and dc.get(row.dflash_key) is not None:
             raw, src = dc[row.dflash_key], f"dflash_config.{row.dflash_key}"
         else:
@@ -285,9 +286,3 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         probe_max_period=int(trust["probe_max_period"]), reject_run=int(trust["reject_run"]),
         sources=tuple(sorted(sources.items())))
 
-
-def _disable_flag(value: Any, name: str, source: str) -> bool:
-    v = str(value).strip()
-    if v not in ("0", "1", ""):
-        raise DSparkSettingsError(f"{source}: got {value!r}, expected 0 or 1")
-    return v != "1"

@@ -90,7 +90,7 @@ def disable_flag(value: Any, name: str, source: str) -> bool:
     """An environment flag that turns a setting off: ``1`` gives False (off), ``0`` True."""
     v = str(value).strip()
     if v not in ("0", "1", ""):
-        raise DSparkSettingsError(f"{name}: got {value!r}, expected 0 or 1")
+        raise DSparkSettingsError(f"{source}: got {value!r}, expected 0 or 1")
     return v != "1"
 
 

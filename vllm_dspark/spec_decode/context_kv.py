@@ -83,7 +83,8 @@ class PendingContext:
         ``store(states, positions, slots)`` call, drop the others; returns the tokens stored."""
         if not self._states:
             return 0
-        keep = torch.tensor([rid in set(live) for rid in (self.req_ids or ())], dtype=torch.bool)
+        alive = set(live)
+        keep = torch.tensor([rid in alive for rid in (self.req_ids or ())], dtype=torch.bool)
         states, positions, slots = torch.cat(self._states), torch.cat(self._positions), torch.cat(self._slots)
         held = states.shape[0]
         if not bool(keep.all()):

@@ -192,11 +192,7 @@ class DSparkProposer(DFlashProposer):
             self._hold(req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
                        token_indices_to_sample, num_rejected_tokens_gpu)
             tm["held"] += time.perf_counter() - t1
-            self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
-            self._prev, self._prev_kind = {}, "skip"
-            self._last_end = time.perf_counter()
-            self._maybe_log()
-            return [[] for _ in range(batch)]
+            return self._no_drafts(cap, batch)
 
         hidden = self.model.combine_hidden_states(target_hidden_states)
         num_query, sample_rows, block_cad = self.set_inputs_first_pass(
@@ -212,11 +208,7 @@ class DSparkProposer(DFlashProposer):
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
             tm["context_kv_only"] += time.perf_counter() - t2
-            self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
-            self._prev, self._prev_kind = {}, "skip"
-            self._last_end = time.perf_counter()
-            self._maybe_log()
-            return [[] for _ in range(batch)]
+            return self._no_drafts(cap, batch)
 
         per_group, per_layer = self.build_per_group_and_layer_attn_metadata(block_cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_query)
@@ -273,6 +265,14 @@ class DSparkProposer(DFlashProposer):
         self._last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept)]
+
+    def _no_drafts(self, cap: int, batch: int) -> list[list[int]]:
+        """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
+        self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
+        self._prev, self._prev_kind = {}, "skip"
+        self._last_end = time.perf_counter()
+        self._maybe_log()
+        return [[] for _ in range(batch)]
 
     # ------------------------------------------------------------------ held context
     def _store_context(self, states, positions, slots) -> None:
