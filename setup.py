@@ -90,6 +90,6 @@ setup(
     cmdclass=cmdclass,
     entry_points={
         "vllm.general_plugins": ["dspark = vllm_dspark.plugin:register"],
-        "console_scripts": ["vllm-dspark = vllm_dspark.cli:main"],
+        "console_scripts": ["vllm-dspark = vllm_dspark.tools.cli:main"],
     },
 )

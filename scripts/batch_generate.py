@@ -3,7 +3,7 @@
 
 Resumable (rerun the same command after a crash), with a progress bar, and a
 data-parallel mode over several replicas on a Ray cluster. The file formats
-and the resume rules are in ``vllm_dspark/deploy/batch.py``; the commands are
+and the resume rules are in ``vllm_dspark/tools/deploy/batch.py``; the commands are
 in ``docs/deployment.md``.
 
     python scripts/batch_generate.py --model TARGET --draft DRAFT \\
@@ -12,7 +12,7 @@ in ``docs/deployment.md``.
 
 import sys
 
-from vllm_dspark.deploy.batch import main
+from vllm_dspark.tools.deploy.batch import main
 
 if __name__ == "__main__":
     sys.exit(main())

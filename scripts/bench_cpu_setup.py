@@ -34,8 +34,8 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm_dspark.bench import cpu_setup
-    from vllm_dspark.bench.e2e import EngineConfig, default_pair, dspark_spec, run_interleaved
+    from vllm_dspark.tools.bench import cpu_setup
+    from vllm_dspark.tools.bench.e2e import EngineConfig, default_pair, dspark_spec, run_interleaved
 
     preload, missing = cpu_setup.preload_value()
     if missing:

@@ -254,8 +254,8 @@ def main() -> int:
 
     from dataclasses import replace
 
-    from vllm_dspark.bench.cpu_setup import describe as describe_cpu
-    from vllm_dspark.bench.e2e import (
+    from vllm_dspark.tools.bench.cpu_setup import describe as describe_cpu
+    from vllm_dspark.tools.bench.e2e import (
         default_pair,
         never_lose_configs,
         run_engine,
@@ -275,8 +275,8 @@ def main() -> int:
     conc = tuple(int(x) for x in (args.concurrency or default_conc).split(","))
     temps = tuple(float(x) for x in args.temperatures.split(","))
     if args.suite == "never-lose":
-        from vllm_dspark.bench.never_accepted import never_accepted_drafter
         from vllm_dspark.cache import cache_dir
+        from vllm_dspark.tools.bench.never_accepted import never_accepted_drafter
 
         configs = never_lose_configs(pair, str(never_accepted_drafter(pair.draft, cache_dir() / "bench" /
                                                                       "never-accepted")))

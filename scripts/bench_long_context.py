@@ -37,7 +37,7 @@ LENGTHS = (512, 1024, 2048, 4096, 8000)
 def build_prompts(tok, lengths, per_length, seed=0):
     import random
 
-    from vllm_dspark.training.chat_prompts import heldout_documents
+    from vllm_dspark.tools.training.chat_prompts import heldout_documents
 
     docs = heldout_documents(min_chars=40000)
     rng = random.Random(seed)
@@ -64,7 +64,7 @@ def build_prompts(tok, lengths, per_length, seed=0):
 def run(target, spec, prompts, max_tokens, *, probe_len=None):
     from vllm import SamplingParams
 
-    from vllm_dspark.bench.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
+    from vllm_dspark.tools.bench.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     res = {"by_length": {}}
@@ -113,8 +113,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from vllm_dspark import default_pair as dp
-    from vllm_dspark.bench.e2e import dspark_spec
+    from vllm_dspark.tools import default_pair as dp
+    from vllm_dspark.tools.bench.e2e import dspark_spec
 
     paths = dp.default_paths()
     tok = AutoTokenizer.from_pretrained(paths["target"])

@@ -166,7 +166,7 @@ def logits_check(plain, spec, floor, prompt: list[int], use_hf: bool, block: int
 
 def wait_quiet(max_wait_s: float, pids: list[int], threshold: float = 0.1, window_s: float = 3.0) -> dict:
     """Wait (at most ``max_wait_s``) for a ``window_s`` window in which other processes use < threshold CPUs."""
-    from vllm_dspark.bench import step_cost as S
+    from vllm_dspark.tools.bench import step_cost as S
 
     watch = S.ForeignCPU(pids)
     t0 = time.monotonic()
@@ -191,7 +191,7 @@ def run_cell(plain, spec, floor, kind: str, b: int, x: int, args, common: dict) 
 
 
 def measure_dtype(args, dtype: str, paths: dict) -> dict:
-    from vllm_dspark.bench import step_cost as S
+    from vllm_dspark.tools.bench import step_cost as S
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(args.threads),
@@ -359,7 +359,7 @@ def combined_phases(timer: dict, ops: dict | None) -> dict:
 
 
 def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
-    from vllm_dspark.bench import step_cost as S
+    from vllm_dspark.tools.bench import step_cost as S
 
     cells = rec["cells"]
     qs = sorted({c["x"] for c in cells if c["kind"] == "floor"})
@@ -440,7 +440,7 @@ def rx(s: dict | None) -> str:
 
 
 def report(result: dict) -> str:
-    from vllm_dspark.bench import step_cost as S
+    from vllm_dspark.tools.bench import step_cost as S
 
     m = result["machine"]
     a = result["args"]
@@ -695,8 +695,8 @@ def main(argv=None) -> int:
     # SIGTERM/SIGHUP end the run through the finally blocks (the worker processes are closed).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
-    from vllm_dspark import default_pair as dp
-    from vllm_dspark.bench import step_cost as S
+    from vllm_dspark.tools import default_pair as dp
+    from vllm_dspark.tools.bench import step_cost as S
 
     try:
         paths = dp.default_paths()

@@ -19,7 +19,7 @@ the assistant's turn (capped at ``--max-tokens``):
    flip. bf16 at batch >= 16 is identical; the tests check both.)
 
 vLLM's INFO logs are quiet unless ``--verbose``. The CPU set-up vLLM recommends
-(tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/bench/cpu_setup.py``) is on
+(tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/tools/bench/cpu_setup.py``) is on
 unless ``--no-cpu-setup``.
 """
 
@@ -44,14 +44,14 @@ def main() -> int:
     ap.add_argument("--no-cpu-setup", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show vLLM's INFO logs")
     args = ap.parse_args()
-    from vllm_dspark.bench import cpu_setup
+    from vllm_dspark.tools.bench import cpu_setup
 
     cpu_setup.reexec_with(not args.no_cpu_setup)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
-    from vllm_dspark import default_pair as dp
+    from vllm_dspark.tools import default_pair as dp
 
     try:
         paths = dp.default_paths()
@@ -60,8 +60,8 @@ def main() -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from vllm_dspark.bench.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
-    from vllm_dspark.training.chat_prompts import chat_eval_prompts
+    from vllm_dspark.tools.bench.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(paths["target"])
     questions = chat_eval_prompts(args.num_prompts)

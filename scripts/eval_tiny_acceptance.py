@@ -5,7 +5,7 @@
 
 Plain torch, no vLLM: the target (Hugging Face) decodes each held-out prompt
 greedily, then greedy speculative decoding is replayed with the reference
-drafter (see ``vllm_dspark.training.evaluate``). Prints and writes the mean
+drafter (see ``vllm_dspark.tools.training.evaluate``). Prints and writes the mean
 acceptance length and per-position acceptance with the Markov head, without
 it (the DFlash-style ablation of the same drafter), and with the
 confidence-gated early stop.
@@ -39,10 +39,10 @@ def main(argv=None) -> int:
     import torch
 
     from vllm_dspark.checkpoint import load_reference_model
-    from vllm_dspark.training.capture import load_target
-    from vllm_dspark.training.corpus import read_jsonl
-    from vllm_dspark.training.evaluate import greedy_chains, simulate_acceptance
-    from vllm_dspark.training.tokenizer import load_tokenizer
+    from vllm_dspark.tools.training.capture import load_target
+    from vllm_dspark.tools.training.corpus import read_jsonl
+    from vllm_dspark.tools.training.evaluate import greedy_chains, simulate_acceptance
+    from vllm_dspark.tools.training.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -69,7 +69,7 @@ def _long_prompt(texts: list[str], rng: random.Random, chars: int) -> str:
 
 def build_mix(n: int, seed: int, api: str, max_model_len: int, disconnect_share: float,
               long_chars: int = 5000) -> list[Job]:
-    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
 
     rng = random.Random(seed)
     chat, code = chat_eval_prompts(), humaneval_prompts()
@@ -510,7 +510,7 @@ def write_report(out: Path, meta: dict, summaries: list[dict], greedy: dict, ver
 
 # ------------------------------------------------------------------ main
 def tiny_pair(root: Path) -> tuple[str, str]:
-    from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
     bigram = random_bigram(384, seed=21)
     target = make_target(root / "target", vocab_size=384, bigram=bigram, num_layers=3, max_position_embeddings=4096)
@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.target:
         target, draft = args.target, args.draft
     else:
-        from vllm_dspark.default_pair import default_paths
+        from vllm_dspark.tools.default_pair import default_paths
 
         paths = default_paths()
         target, draft = args.target or paths["target"], args.draft or paths["draft"]

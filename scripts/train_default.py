@@ -43,7 +43,7 @@ def log(msg: str) -> None:
 
 
 def drafter_config(args, target_cfg, markov_rank: int):
-    from vllm_dspark.training.drafter import build_drafter_config
+    from vllm_dspark.tools.training.drafter import build_drafter_config
 
     cfg = build_drafter_config(
         target_cfg, mask_token_id=MASK_TOKEN_ID, target_layer_ids=tuple(args.target_layer_ids),
@@ -54,7 +54,7 @@ def drafter_config(args, target_cfg, markov_rank: int):
 
 
 def stage_prompts(args, work: Path) -> None:
-    from vllm_dspark.training import prompt_set
+    from vllm_dspark.tools.training import prompt_set
 
     sets = prompt_set.build(seed=args.seed, num_code=args.num_code, num_heldout=args.num_heldout, log=log)
     tmp = work / "prompts.json.tmp"
@@ -64,7 +64,7 @@ def stage_prompts(args, work: Path) -> None:
 
 def eval_conversations(work: Path) -> dict[str, list[dict]]:
     """The held-out sets, answered greedily: ShareGPT prompts never trained on, the chat set, HumanEval."""
-    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
 
     held = json.loads((work / "prompts.json").read_text())["heldout"]
     return {"eval_sharegpt": held,
@@ -75,7 +75,7 @@ def eval_conversations(work: Path) -> dict[str, list[dict]]:
 def stage_generate(args, work: Path) -> None:
     from dataclasses import replace
 
-    from vllm_dspark.training.generate import GenerateArgs, generate
+    from vllm_dspark.tools.training.generate import GenerateArgs, generate
 
     gargs = GenerateArgs(target_tokens=args.gen_tokens, max_len=args.seq_len, seed=args.seed,
                          max_num_seqs=args.gen_concurrency)
@@ -89,8 +89,8 @@ def stage_generate(args, work: Path) -> None:
 
 def write_prompt_record(args, work: Path) -> None:
     """The record in the repository: the human turns actually trained on, as hashes and MinHash sketches."""
-    from vllm_dspark.training import prompt_set
-    from vllm_dspark.training.generate import read_done
+    from vllm_dspark.tools.training import prompt_set
+    from vllm_dspark.tools.training.generate import read_done
 
     sets = json.loads((work / "prompts.json").read_text())
     train = sets["train"]
@@ -110,8 +110,8 @@ EVAL_SETS = ("eval_sharegpt", "eval_chat", "eval_humaneval")
 
 
 def stage_capture(args, work: Path) -> None:
-    from vllm_dspark.training.features import capture
-    from vllm_dspark.training.generate import read_done
+    from vllm_dspark.tools.training.features import capture
+    from vllm_dspark.tools.training.generate import read_done
 
     for name in (*EVAL_SETS, "train_text"):
         rows = read_done(work / name / "done.jsonl")
@@ -130,8 +130,8 @@ def _target_tensors(target: str):
 
 
 def load_eval_sets(args, work: Path, block: int) -> dict:
-    from vllm_dspark.training.features import FeatureSet
-    from vllm_dspark.training.trainer import eval_anchors
+    from vllm_dspark.tools.training.features import FeatureSet
+    from vllm_dspark.tools.training.trainer import eval_anchors
 
     out = {}
     for name in EVAL_SETS:
@@ -144,9 +144,9 @@ def _train(args, work: Path, kind: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from vllm_dspark.training.drafter import init_drafter
-    from vllm_dspark.training.features import FeatureSet
-    from vllm_dspark.training.trainer import TrainArgs, fold_aux_scale, train
+    from vllm_dspark.tools.training.drafter import init_drafter
+    from vllm_dspark.tools.training.features import FeatureSet
+    from vllm_dspark.tools.training.trainer import TrainArgs, fold_aux_scale, train
 
     tcfg = AutoConfig.from_pretrained(args.target)
     cfg = drafter_config(args, tcfg, args.markov_rank if kind == "dspark" else 0)
@@ -192,7 +192,7 @@ CONTEXT_WINDOWS = (None, 64, 16, 4, 1, 0)  # None: the whole context
 
 def final_evals(args, work: Path, model, embed) -> dict:
     """Teacher-forced acceptance per held-out set, with and without the Markov bias (exported weights)."""
-    from vllm_dspark.training.trainer import evaluate
+    from vllm_dspark.tools.training.trainer import evaluate
 
     out = {}
     for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
@@ -205,7 +205,7 @@ def final_evals(args, work: Path, model, embed) -> dict:
 
 def context_table(args, work: Path, model, embed) -> dict:
     """Acceptance when each block may see only its last W context tokens: copying shows as full >> last 1."""
-    from vllm_dspark.training.trainer import evaluate
+    from vllm_dspark.tools.training.trainer import evaluate
 
     table = {}
     for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
@@ -222,8 +222,8 @@ def stage_export(args, work: Path) -> None:
 
     from vllm_dspark.config import DSparkConfig
     from vllm_dspark.model.reference import DSparkDraftModel
-    from vllm_dspark.training.export import export_drafter
-    from vllm_dspark.training.trainer import plot_curves
+    from vllm_dspark.tools.training.export import export_drafter
+    from vllm_dspark.tools.training.trainer import plot_curves
 
     out = args.assets_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -282,7 +282,7 @@ def machine_description() -> str:
 
 def main(argv=None) -> int:
     from vllm_dspark.cache import cache_dir
-    from vllm_dspark.default_pair import default_paths
+    from vllm_dspark.tools.default_pair import default_paths
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=cache_dir() / "train" / "smollm2",

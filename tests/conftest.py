@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB, make_prompts
-from vllm_dspark.bench.engine import llm_engine
-from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.bench.engine import llm_engine
+from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A tiny random checkpoint in SpecForge's export layout (read-only: copy before corrupting)."""
     from tests.helpers import tiny_config
-    from vllm_dspark.testing.tiny import make_drafter
+    from vllm_dspark.tools.tiny_pair import make_drafter
 
     return make_drafter(tmp_path_factory.mktemp("ckpt") / "tiny", tiny_config(), mode="random", seed=1)
 

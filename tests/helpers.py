@@ -107,7 +107,7 @@ def default_pair_dirs() -> dict[str, str]:
 
     import pytest
 
-    from vllm_dspark.default_pair import check_target
+    from vllm_dspark.tools.default_pair import check_target
 
     cli = Path(sys.executable).with_name("vllm-dspark")
     out = subprocess.run([str(cli), "default", "--json"], capture_output=True, text=True, timeout=120, check=True)

@@ -12,9 +12,9 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import K3_CONFIG, K3_PARAMS, QWEN3_CONFIG, k3_dict, tiny_config
-from vllm_dspark import cli
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import count_parameters
+from vllm_dspark.tools import cli
 
 SCRIPT = Path(sys.executable).with_name("vllm-dspark")
 

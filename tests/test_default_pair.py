@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.default_pair import check_target, draft_dir, target_dir
+from vllm_dspark.tools.default_pair import check_target, draft_dir, target_dir
 
-CLI = [sys.executable, "-m", "vllm_dspark.cli"]
+CLI = [sys.executable, "-m", "vllm_dspark.tools.cli"]
 
 
 @pytest.fixture(scope="module")

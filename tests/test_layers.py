@@ -15,21 +15,27 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm_dspark.model",),
     ("vllm_dspark.checkpoint",),
     ("vllm_dspark.serving",),
-    ("vllm_dspark.spec_decode",),
+    ("vllm_dspark.spec_decode", "vllm_dspark.spec_decode.common"),
+    # The two runners' sides sit on one floor; test_the_runners_never_import_each_other keeps them apart.
+    ("vllm_dspark.spec_decode.v1", "vllm_dspark.spec_decode.v2"),
     ("vllm_dspark.patch",),
     ("vllm_dspark.plugin",),
     # Applications built on everything above; nothing below imports them.
-    ("vllm_dspark.deploy", "vllm_dspark.bench", "vllm_dspark.testing", "vllm_dspark.training",
-     "vllm_dspark.cli", "vllm_dspark.default_pair", "vllm_dspark.assets"),
+    ("vllm_dspark.tools", "vllm_dspark.assets"),
 ]
 
 
 def layer_of(module: str) -> int:
     if module == "vllm_dspark":
         return 0
+    # The longest matching prefix decides (spec_decode.v1 sits above spec_decode).
+    best, depth = None, -1
     for i, prefixes in enumerate(LAYERS):
-        if any(module == p or module.startswith(p + ".") for p in prefixes):
-            return i
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > depth:
+                best, depth = i, len(p)
+    if best is not None:
+        return best
     raise AssertionError(f"{module} is in no layer; add it to tests/test_layers.py")
 
 
@@ -85,7 +91,20 @@ def test_every_module_is_placed_and_imports_only_downwards():
     assert not bad, "imports that run up a floor:\n" + "\n".join(sorted(set(bad)))
 
 
+def test_the_runners_never_import_each_other():
+    sides = ("vllm_dspark.spec_decode.v1", "vllm_dspark.spec_decode.v2")
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        me = module_name(path)
+        mine = [s for s in sides if me == s or me.startswith(s + ".")]
+        if mine:
+            other = sides[1 - sides.index(mine[0])]
+            bad += [f"{me} imports {m}" for m in imports_of(path) if m == other or m.startswith(other + ".")]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_check_sees_an_upward_import():
-    assert upward("vllm_dspark.spec_decode.model_v2", ["vllm_dspark.patch.registry"])
-    assert upward("vllm_dspark.serving.settings", ["vllm_dspark.spec_decode.budget"])
+    assert upward("vllm_dspark.spec_decode.v2.model", ["vllm_dspark.patch.registry"])
+    assert upward("vllm_dspark.spec_decode.common.budget", ["vllm_dspark.spec_decode.v1.proposer"])
+    assert upward("vllm_dspark.serving.settings", ["vllm_dspark.spec_decode.common.budget"])
     assert not upward("vllm_dspark.patch.config_speculative", ["vllm_dspark.serving.settings"])

@@ -7,13 +7,12 @@ import json
 import subprocess
 import sys
 
-TOOLS = ("vllm_dspark.training", "vllm_dspark.bench", "vllm_dspark.deploy", "vllm_dspark.testing",
-         "vllm_dspark.cli", "vllm_dspark.default_pair")
+TOOLS = ("vllm_dspark.tools",)
 
 # The plugin entry point, the patches it applies, and the classes vLLM builds from them in a worker.
-SERVING = ("vllm_dspark.plugin", "vllm_dspark.patch", "vllm_dspark.spec_decode.proposer_v1",
-           "vllm_dspark.spec_decode.model_v1", "vllm_dspark.spec_decode.model_v2",
-           "vllm_dspark.spec_decode.worker_ext", "vllm_dspark.ops")
+SERVING = ("vllm_dspark.plugin", "vllm_dspark.patch", "vllm_dspark.spec_decode.v1.proposer",
+           "vllm_dspark.spec_decode.v1.model", "vllm_dspark.spec_decode.v2.model",
+           "vllm_dspark.spec_decode.v1.worker_ext", "vllm_dspark.ops")
 
 
 def test_the_serving_path_imports_no_tool():
@@ -27,6 +26,6 @@ def test_the_serving_path_imports_no_tool():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "vllm_dspark.spec_decode.proposer_v1" in loaded and "vllm_dspark.patch" in loaded
+    assert "vllm_dspark.spec_decode.v1.proposer" in loaded and "vllm_dspark.patch" in loaded
     leaked = [m for m in loaded if m.startswith(TOOLS)]
     assert not leaked, f"the serving path imports tool modules: {leaked}"

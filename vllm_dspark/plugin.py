@@ -47,10 +47,10 @@ def register() -> None:
 
         _state["patches"] = patch.apply_all(version)
         ModelRegistry.register_model("DFlashDSparkDraftModel",
-                                     "vllm_dspark.spec_decode.model_v1:DSparkV1DraftModel")
+                                     "vllm_dspark.spec_decode.v1.model:DSparkV1DraftModel")
     else:
         ModelRegistry.register_model("Qwen3DSparkModel",
-                                     "vllm_dspark.spec_decode.model_v2:DSparkV2DraftModel")
+                                     "vllm_dspark.spec_decode.v2.model:DSparkV2DraftModel")
     _install_cli_excepthook()
     share_vllm_logging()
     _state["pid"] = os.getpid()

@@ -2,7 +2,7 @@
 
 import math
 
-from vllm_dspark.bench.step_cost import (
+from vllm_dspark.tools.bench.step_cost import (
     classify_op,
     interleaved,
     linear_slope,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark.checkpoint.gguf_llama import GGUFConversionError, convert_gguf_to_hf, open_gguf, unpermute_qk
+from vllm_dspark.tools.gguf_llama import GGUFConversionError, convert_gguf_to_hf, open_gguf, unpermute_qk
 
 PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a haiku about rivers.",
            "How do I reverse a string in Python?"]
@@ -22,7 +22,7 @@ PROMPTS = ["What is the capital of France? Answer in one sentence.", "Write a ha
 
 @pytest.fixture(scope="module")
 def gguf():
-    from vllm_dspark.default_pair import DefaultPairError, gguf_path
+    from vllm_dspark.tools.default_pair import DefaultPairError, gguf_path
 
     try:
         path = gguf_path()
@@ -67,7 +67,7 @@ def test_float32_conversion_matches_transformers_gguf_loading(gguf, tmp_path):
 def test_the_prepared_bf16_target_answers(gguf):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_dspark.default_pair import check_target, target_dir
+    from vllm_dspark.tools.default_pair import check_target, target_dir
 
     path = target_dir()
     if check_target(path, hash_weights=False):
@@ -96,7 +96,7 @@ def test_missing_and_corrupt_gguf_give_one_clear_message(gguf, tmp_path):
 
 
 def test_conversion_is_all_or_nothing(gguf, tmp_path, monkeypatch):
-    import vllm_dspark.checkpoint.gguf_llama as g
+    import vllm_dspark.tools.gguf_llama as g
 
     def boom(*a, **k):
         raise OSError(28, "No space left on device")

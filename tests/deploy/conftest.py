@@ -41,7 +41,7 @@ def tiny_models(tmp_path_factory):
     bigram table is wrong for a quarter of the tokens (so drafts are partly rejected)."""
     import torch
 
-    from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
     base = tmp_path_factory.mktemp("deploy_models")
     bigram = random_bigram(VOCAB, seed=3)
@@ -171,7 +171,7 @@ def ray_cluster():
     Yields ``{"address", "port", "proc", "temp_dir", "env", ...}``.
     """
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
-    from vllm_dspark.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+    from vllm_dspark.tools.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
 
     added = {**RAY_ENV_LOCAL, **ray_auth_env()}
     saved = {k: os.environ.get(k) for k in added}

@@ -1,6 +1,6 @@
 """Batch script: input/output files, resume after a crash with a torn last line, no duplicates, no gaps.
 
-These tests drive ``vllm_dspark.deploy.batch.main`` with a fake engine (no vLLM
+These tests drive ``vllm_dspark.tools.deploy.batch.main`` with a fake engine (no vLLM
 start-up); ``test_batch_engine.py`` kills a real run and resumes it.
 """
 
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dspark.deploy import batch
+from vllm_dspark.tools.deploy import batch
 
 
 def write_prompts(path, n, start=0):

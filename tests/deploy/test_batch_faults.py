@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.deploy.test_batch import FakeEngine, read_results
-from vllm_dspark.deploy import batch
+from vllm_dspark.tools.deploy import batch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -203,7 +203,7 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.timeout(900)
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(tiny_models, engine_env, ray_cluster, tmp_path):
     from tests.deploy.test_batch_engine import base_cmd, check_results, write_prompts
-    from vllm_dspark.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+    from vllm_dspark.tools.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
 
     n = 24
     inp = write_prompts(tmp_path / "prompts.jsonl", n)

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from vllm_dspark.cli import main as cli_main
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.deploy import plan
 from vllm_dspark.model.reference import count_parameters
 from vllm_dspark.serving.compat import load_target_config
+from vllm_dspark.tools.cli import main as cli_main
+from vllm_dspark.tools.deploy import plan
 
 GiB = 1024 ** 3
 DRAFT_K3, TARGET_K3 = plan.bundled_k3_paths()
@@ -101,7 +101,7 @@ def test_bad_inputs_exit_2_with_a_message(capsys):
 # ------------------------------------------------------------------ against vLLM's own spec
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    from vllm_dspark.testing.tiny import make_target
+    from vllm_dspark.tools.tiny_pair import make_target
 
     return make_target(tmp_path_factory.mktemp("tiny") / "target", num_heads=4, num_kv_heads=2,
                        head_dim=64, num_layers=4, dtype=torch.bfloat16)
@@ -121,7 +121,7 @@ def _vllm_bytes_per_token(model_dir, tp: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tiny_target_and_drafter_per_token_match_vllm_spec(tiny_qwen3, tmp_path, tp):
-    from vllm_dspark.testing.tiny import drafter_config_for
+    from vllm_dspark.tools.tiny_pair import drafter_config_for
 
     target = load_target_config(tiny_qwen3)
     draft = drafter_config_for(tiny_qwen3)

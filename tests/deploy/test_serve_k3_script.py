@@ -28,7 +28,7 @@ def test_script_parses():
 def pair(tmp_path_factory):
     """A tiny target and drafter whose heads split over TP 8, the drafter at a path no string-pasted
     JSON survives."""
-    from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target
+    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
 
     root = tmp_path_factory.mktemp("k3_script")
     target = make_target(root / "target", vocab_size=320, hidden_size=512, num_layers=3, num_heads=8,

@@ -7,7 +7,7 @@ import importlib
 import pytest
 
 from vllm_dspark.patch import registry
-from vllm_dspark.spec_decode import overrides
+from vllm_dspark.spec_decode.v1 import overrides
 from vllm_dspark.versions import UnsupportedVLLMVersion, require, series_of
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import default_pair_dirs, free_port, readme_command
-from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VLLM = str(Path(sys.executable).with_name("vllm"))

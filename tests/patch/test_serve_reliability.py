@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import free_port
-from vllm_dspark.testing.tiny import bigram_chain, drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.tiny_pair import bigram_chain, drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 VLLM = str(Path(sys.executable).with_name("vllm"))
@@ -57,7 +57,7 @@ def server(pair):
     cmd = [VLLM, "serve", pair["target"], "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
            "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", str(MAX_SEQS),
            "--max-num-batched-tokens", "64", "--served-model-name", "tiny", "--speculative-config", spec,
-           "--worker-extension-cls", "vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension"]
+           "--worker-extension-cls", "vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension"]
     log_path = pair["root"] / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115  (closed at the end of the module)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")  # dev mode: /collective_rpc

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target
+from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
 
 
 @pytest.fixture(scope="module")

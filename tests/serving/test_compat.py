@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
-from vllm_dspark.cli import main as cli_main
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.deploy.plan import bundled_k3_paths
 from vllm_dspark.serving import compat
+from vllm_dspark.tools.cli import main as cli_main
+from vllm_dspark.tools.deploy.plan import bundled_k3_paths
 
 DRAFT_K3, TARGET_K3 = bundled_k3_paths()
 ENV = compat.AUX_STREAM_ENV
@@ -130,7 +130,7 @@ def test_inspect_target_exit_code_1_and_message(tmp_path, capsys):
 def test_inspect_target_console_script_exit_code(tmp_path):
     tgt = tmp_path / "target.json"
     tgt.write_text(json.dumps(qwen3_target(layers=30)))
-    r = subprocess.run([sys.executable, "-m", "vllm_dspark.cli", "inspect", str(DRAFT_K3), "--target", str(tgt)],
+    r = subprocess.run([sys.executable, "-m", "vllm_dspark.tools.cli", "inspect", str(DRAFT_K3), "--target", str(tgt)],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "7168" in r.stdout and "hidden size" in r.stdout

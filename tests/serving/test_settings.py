@@ -111,7 +111,7 @@ def test_budget_trust_settings_defaults_sources_and_errors():
     import dataclasses
 
     from vllm_dspark.serving.settings_table import BY_NAME, TRUST_NAMES
-    from vllm_dspark.spec_decode.budget import TrustConfig
+    from vllm_dspark.spec_decode.common.budget import TrustConfig
 
     s = resolve()
     fields = {f.name: f.default for f in dataclasses.fields(DSparkSettings)}
@@ -173,3 +173,22 @@ def test_async_scheduling_turns_the_default_budget_into_fixed_and_refuses_a_chos
     for opts, n in (({"verification": "budget"}, None), ({"max_draft_context": 100}, None), ({}, 3)):
         with pytest.raises(DSparkSettingsError, match="needs synchronous scheduling"):
             for_async_scheduling(resolve(opts=opts, n=n))
+
+
+def test_v2_names_every_table_setting_it_ignores():
+    from vllm_dspark.serving.settings import not_applied_on_v2
+
+    assert not_applied_on_v2({}) is None
+    msg = not_applied_on_v2({"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.9", "VLLM_DSPARK_WINDOW": "64", "OTHER": "1"})
+    assert msg.startswith("VLLM_DSPARK_CONFIDENCE_THRESHOLD, VLLM_DSPARK_WINDOW are not applied")
+    assert "OTHER" not in msg
+
+
+def test_a_settings_error_carries_each_problem_as_a_value():
+    from vllm_dspark.serving.settings import DSparkSettingsError
+
+    with pytest.raises(DSparkSettingsError) as info:
+        resolve(opts={"probe_period": 8, "probe_max_period": 4, "verification": "fixed"},
+                env={"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.5"})
+    assert len(info.value.problems) == 1 and "probe_max_period" in info.value.problems[0]
+    assert "\n" not in info.value.problems[0]

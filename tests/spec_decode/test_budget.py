@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_dspark.spec_decode import budget as B
+from vllm_dspark.spec_decode.common import budget as B
 
 
 def flat(t=0.1, d=0.01):
@@ -317,7 +317,7 @@ def test_probes_rotate_over_the_requests_within_their_caps():
 
 
 def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
-    from vllm_dspark.spec_decode import profile as P
+    from vllm_dspark.spec_decode.common import profile as P
 
     cached = B.CostModel(verify=[(1, 0.001), (8, 0.002)], draft=[(1, 0.0005), (4, 0.001)])
     assert P.judge_spot_check(cached, {"verify_1": 0.0012, "draft_1": 0.0004}) is None

@@ -15,10 +15,10 @@ import types
 
 import pytest
 
-from vllm_dspark.spec_decode import budget as B
-from vllm_dspark.spec_decode import profile as P
-from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
-from vllm_dspark.spec_decode.proposer_v1 import _unseeded_draft_seed
+from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common import profile as P
+from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
+from vllm_dspark.spec_decode.v1.proposer import _unseeded_draft_seed
 
 CACHED = {"verify": [[1, 0.001], [8, 0.002]], "draft": [[1, 0.0005], [4, 0.001]], "source": "x"}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_dspark.spec_decode.context_kv import PendingContext
+from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 
 
 def _step(n: int, base: int):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.spec_decode.draft_sampling import sample_drafts
+from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
 
 V, R, N, RANK = 12, 1, 3, 4
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
 

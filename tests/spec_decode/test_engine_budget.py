@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB
-from vllm_dspark.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -54,7 +54,7 @@ def never_pays(qwen_pair, prompts):
 def wrong_head(qwen_pair, prompts, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from vllm_dspark.testing.tiny import make_drafter
+    from vllm_dspark.tools.tiny_pair import make_drafter
 
     root = tmp_path_factory.mktemp("wrong_head")
     bigram = (qwen_pair["bigram"] + 1) % VOCAB  # every draft token wrong

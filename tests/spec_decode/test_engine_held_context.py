@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.bench.engine import dspark_report, llm_engine, read_trace
+from vllm_dspark.tools.bench.engine import dspark_report, llm_engine, read_trace
 
 pytestmark = pytest.mark.engine
 
@@ -31,7 +31,7 @@ PAYS = {"verify": [[1, 0.01], [512, 0.0101]], "draft": [[1, 0.0001], [64, 0.0001
 
 @pytest.fixture(scope="module")
 def context_drafter(qwen_pair, tmp_path_factory):
-    from vllm_dspark.testing.tiny import make_drafter
+    from vllm_dspark.tools.tiny_pair import make_drafter
 
     cfg = qwen_pair["config"].replace(markov_rank=0, confidence_head_with_markov=False)
     return str(make_drafter(tmp_path_factory.mktemp("ctx_draft") / "draft", cfg, mode="random", scale=0.3,

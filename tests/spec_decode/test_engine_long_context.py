@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from tests.reference_check import ReferenceDrafter, match_sequence
-from vllm_dspark.bench.engine import (
+from vllm_dspark.serving.settings import DSparkSettings
+from vllm_dspark.tools.bench.engine import (
     acceptance_summary,
     draft_kv_blocks,
     dspark_report,
@@ -30,8 +31,7 @@ from vllm_dspark.bench.engine import (
     read_trace,
     spec_metrics,
 )
-from vllm_dspark.serving.settings import DSparkSettings
-from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VOCAB = 384
@@ -153,7 +153,7 @@ def test_acceptance_holds_past_the_trained_context(windowed):
 
 
 def test_draft_kv_blocks_stay_bounded_by_the_window(windowed, unwindowed):
-    from vllm_dspark.deploy.plan import draft_kv_blocks_per_sequence
+    from vllm_dspark.tools.deploy.plan import draft_kv_blocks_per_sequence
 
     _, _, bs, kind = windowed["blocks"][900]
     assert kind == "SlidingWindowSpec"  # vLLM's KV-cache manager, not a mask, bounds the draft cache

@@ -11,7 +11,13 @@ import torch
 
 from tests.helpers import MAX_TOKENS
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, verified_draft_tokens
+from vllm_dspark.tools.bench.engine import (
+    acceptance_summary,
+    llm_engine,
+    read_trace,
+    spec_metrics,
+    verified_draft_tokens,
+)
 
 pytestmark = pytest.mark.engine
 

@@ -32,8 +32,8 @@ import time
 import pytest
 import torch
 
-from vllm_dspark.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
-from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
+from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 VOCAB = 384
@@ -43,7 +43,7 @@ MAX_SEQS = 8
 ENGINE = dict(max_model_len=384, max_num_seqs=MAX_SEQS, enable_prefix_caching=True, block_size=BLOCK,
               max_num_batched_tokens=128, num_gpu_blocks_override=NUM_BLOCKS,
               structured_outputs_config={"backend": "xgrammar", "disable_any_whitespace": True},
-              worker_extension_cls="vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension")
+              worker_extension_cls="vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension")
 ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # scheduler, runner and proposer live in this process
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "ok"],
           "properties": {"name": {"type": "string", "pattern": "^[a-z]{1,8}$"},

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 

@@ -14,8 +14,14 @@ import torch
 
 from tests.helpers import MAX_TOKENS, make_prompts
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics, verified_draft_tokens
-from vllm_dspark.testing.tiny import drafter_config_for, expected_length, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.bench.engine import (
+    acceptance_summary,
+    llm_engine,
+    read_trace,
+    spec_metrics,
+    verified_draft_tokens,
+)
+from vllm_dspark.tools.tiny_pair import drafter_config_for, expected_length, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VOCAB = 301

@@ -1,4 +1,4 @@
-"""vLLM 0.33 V2 hook (``vllm_dspark/spec_decode/model_v2.py``), tested on CPU with vLLM 0.32.
+"""vLLM 0.33 V2 hook (``vllm_dspark/spec_decode/v2/model.py``), tested on CPU with vLLM 0.32.
 
 vLLM 0.33's classes can't be imported here (CUDA build). The hook's logic
 lives in plain functions that read a ``DSparkSpeculator``'s attributes; a fake
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from vllm_dspark.ops import is_compiled_available, markov_draft_reference
-from vllm_dspark.spec_decode import model_v2
-from vllm_dspark.spec_decode.model_v2 import (
+from vllm_dspark.spec_decode.v2 import model as model_v2
+from vllm_dspark.spec_decode.v2.model import (
     MarkovWeights,
     derive_draft_seeds,
     request_sampling_params,
@@ -290,8 +290,8 @@ def _vllm_config(target: dict, draft: dict):
 
 
 def test_k3_worker_check(monkeypatch):
-    from vllm_dspark.deploy.plan import bundled_k3_paths
     from vllm_dspark.serving import compat
+    from vllm_dspark.tools.deploy.plan import bundled_k3_paths
 
     draft_path, target_path = bundled_k3_paths()
     draft, target = json.loads(draft_path.read_text()), json.loads(target_path.read_text())

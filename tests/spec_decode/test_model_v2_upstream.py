@@ -2,7 +2,7 @@
 
 ``tests/spec_decode/test_model_v2.py`` drives the hook with a hand-written
 stand-in for upstream's speculator. This file runs upstream's code itself. The
-vLLM 0.33.0 sdist is downloaded from PyPI once (``vllm_dspark.testing.upstream``:
+vLLM 0.33.0 sdist is downloaded from PyPI once (``tests.upstream``:
 sha256 from PyPI's JSON checked, atomic write, cached under
 ``vllm_dspark.cache.cache_dir()/upstream``) and the files below are executed
 straight out of the tarball as private modules (``_vllm033.vllm....``): nothing
@@ -67,7 +67,7 @@ Test doubles (attributes, not imports)
 
 The draft models (the project's)
     A tiny Qwen3 target and a SpecForge-layout DSpark drafter from
-    ``vllm_dspark.testing.tiny`` (the confidence head's hidden weights scaled
+    ``vllm_dspark.tools.tiny_pair`` (the confidence head's hidden weights scaled
     down so confidences stay off the sigmoid's flat ends, and without
     ``dflash_config.sample_from_anchor``: see below). (b) is the project's
     ``DSparkV2DraftModel`` built by ``model_v2._build_class()``, the class the
@@ -125,8 +125,7 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark.spec_decode import model_v2
-from vllm_dspark.testing.upstream import (
+from tests.upstream import (
     Sdist,
     UpstreamModules,
     UpstreamUnavailable,
@@ -135,6 +134,7 @@ from vllm_dspark.testing.upstream import (
     real_triton_utils,
     triton_interpreter_fixes,
 )
+from vllm_dspark.spec_decode.v2 import model as model_v2
 
 VERSION = "0.33.0"
 M_DSPARK = "vllm.v1.worker.gpu.spec_decode.dspark.speculator"
@@ -189,7 +189,7 @@ def stack(upstream, tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from vllm_dspark.testing.tiny import drafter_config_for, make_drafter, make_target
+    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
 
     root = tmp_path_factory.mktemp("v2_upstream")
     target = make_target(root / "target", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
@@ -364,7 +364,7 @@ def test_hooked_class_is_the_registered_class_on_upstream_model_code(stack):
     import vllm.model_executor.models.qwen3_dspark as installed
 
     assert type(stack.hooked).__name__ == "DSparkV2DraftModel"
-    assert type(stack.hooked).__module__ == "vllm_dspark.spec_decode.model_v2"
+    assert type(stack.hooked).__module__ == "vllm_dspark.spec_decode.v2.model"
     assert type(stack.hooked).__mro__[1] is installed.Qwen3DSparkForCausalLM  # pinned to 0.33.0 above
     assert stack.hooked._markov is not None and stack.hooked._markov_reason is None
     names = [n for n, _ in stack.plain.named_parameters() if "embed_tokens" not in n]  # (shared from the target)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_dspark.spec_decode.verify import VerifyStats, product_length, rule_lengths, threshold_length
+from vllm_dspark.spec_decode.common.verify import VerifyStats, product_length, rule_lengths, threshold_length
 
 EXAMPLE = [0.95, 0.9, 0.9, 0.85, 0.8, 0.8, 0.7]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_dspark.training import prompt_set, sharegpt
-from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+from vllm_dspark.tools.training import prompt_set, sharegpt
+from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
 
 RECORD = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "smollm2" / "train_prompts.npz"
 

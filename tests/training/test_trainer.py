@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark.training.drafter import build_drafter_config, init_drafter
-from vllm_dspark.training.features import FeatureSet, capture
-from vllm_dspark.training.trainer import (
+from vllm_dspark.tools.training.drafter import build_drafter_config, init_drafter
+from vllm_dspark.tools.training.features import FeatureSet, capture
+from vllm_dspark.tools.training.trainer import (
     TrainArgs,
     block_loss,
     eligible_anchors,
@@ -166,7 +166,7 @@ def test_training_resumes_after_a_kill_with_the_same_result(features, target_dir
     assert len(rec["curve"]) == 6 and "eval" in rec["curve"][-1] and rec["finished"]
     assert rec["blocks"] == 6 * 2 * 4
 
-    import vllm_dspark.training.trainer as T
+    import vllm_dspark.tools.training.trainer as T
 
     class Killed(Exception):
         pass

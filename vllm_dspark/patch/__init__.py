@@ -1,6 +1,7 @@
 """Patches to upstream vLLM 0.32, one file per patched module; see ``registry``.
 
-Importing a patch module registers it; ``registry.apply_all`` applies them.
+Importing a patch module registers it; ``registry.apply_all`` applies them. ``handoff`` is
+the one value two of them pass between each other.
 """
 
 from vllm_dspark.patch import (  # noqa: F401  (registration)

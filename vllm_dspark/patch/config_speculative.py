@@ -30,34 +30,16 @@ registry supplies the DSpark draft model (``DFlashDSparkDraftModel``).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import logging
-from collections.abc import Iterator, Mapping
-from typing import Any
 
+from vllm_dspark.patch import handoff
 from vllm_dspark.patch.registry import Patch, register_patch
 from vllm_dspark.serving.settings import attach
-from vllm_dspark.serving.validate import specforge_dspark_config, validate_draft_for_serving
+from vllm_dspark.serving.validate import read_dspark_draft, validate_draft_for_serving
 
 logger = logging.getLogger("vllm_dspark")
 
 DSPARK_V1_ARCH = "DFlashDSparkDraftModel"
-
-# The speculative config's "dspark" block travels from EngineArgs to __post_init__ here:
-# vLLM's SpeculativeConfig forbids unknown fields, so engine_arg_utils pops it first.
-_spec_options: contextvars.ContextVar[Mapping[str, Any] | None] = contextvars.ContextVar(
-    "vllm_dspark_spec_options", default=None)
-
-
-@contextlib.contextmanager
-def spec_options(options: Mapping[str, Any] | None) -> Iterator[None]:
-    token = _spec_options.set(options)
-    try:
-        yield
-    finally:
-        _spec_options.reset(token)
-
 
 def _uses_v1_runner() -> bool:
     import vllm.envs as envs
@@ -70,15 +52,15 @@ def _uses_v1_runner() -> bool:
 
 def _make_post_init(original):
     def __post_init__(self):
-        spec_cfg = specforge_dspark_config(self.model) if self.method == "dspark" else None
-        if spec_cfg is None or not _uses_v1_runner():
+        draft = read_dspark_draft(self.model) if self.method == "dspark" else None
+        if draft is None or not _uses_v1_runner():
             return original(self)
         target = self.target_model_config
         target_hf = getattr(target, "hf_config", None)
-        served = int(getattr(target, "max_model_len", 0) or 0) or int(spec_cfg.get("max_position_embeddings", 0))
+        served = int(getattr(target, "max_model_len", 0) or 0) or int(draft.raw.get("max_position_embeddings", 0))
         cfg, settings = validate_draft_for_serving(
-            self.model, target_hf, num_speculative_tokens=self.num_speculative_tokens, served_context=served,
-            spec_options=_spec_options.get())
+            draft, target_hf, num_speculative_tokens=self.num_speculative_tokens, served_context=served,
+            spec_options=handoff.current())
         self.method = "dflash"
         self.num_speculative_tokens = cfg.num_draft_tokens
         if settings.draft_sampling == "auto":

@@ -4,13 +4,13 @@
 (and ``LLM(speculative_config={...})``) carry DSpark's own settings in one
 nested block. vLLM's ``SpeculativeConfig`` forbids unknown fields, so this
 patch takes the block out before the config is built and hands it to the
-config patch (``config_speculative.spec_options``), which validates it with the
+config patch through ``vllm_dspark.patch.handoff``, which validates it with the
 draft. The block is refused for any other method.
 """
 
 from __future__ import annotations
 
-from vllm_dspark.patch.config_speculative import spec_options
+from vllm_dspark.patch import handoff
 from vllm_dspark.patch.registry import Patch, register_patch
 from vllm_dspark.serving.settings import SPEC_KEY, DSparkSettingsError
 
@@ -30,7 +30,7 @@ def _make(original):
             raise DSparkSettingsError(f"speculative_config['{SPEC_KEY}']: expected an object of settings, "
                                       f"got {type(options).__name__}")
         self.speculative_config = spec
-        with spec_options(options or {}):
+        with handoff.carrying(options or {}):
             return original(self, target_model_config, target_parallel_config)
     return create_speculative_config
 

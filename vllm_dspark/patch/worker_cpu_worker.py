@@ -3,7 +3,7 @@
 Budgeted verification needs the target's step time by batch size, which can
 only be measured once the KV cache exists and the model is warm: right after
 ``CPUWorker.compile_or_warm_up_model``. The proposer then profiles (or loads its
-cached profile), see ``vllm_dspark.spec_decode.profile``.
+cached profile), see ``vllm_dspark.spec_decode.common.profile``.
 """
 
 from __future__ import annotations

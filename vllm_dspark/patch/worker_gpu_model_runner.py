@@ -37,7 +37,7 @@ def _make_init(original):
     def __init__(self, vllm_config, device, *args, **kwargs):
         original(self, vllm_config, device, *args, **kwargs)
         if _is_dspark_draft(vllm_config) and hasattr(self, "drafter"):
-            from vllm_dspark.spec_decode.proposer_v1 import DSparkProposer
+            from vllm_dspark.spec_decode.v1.proposer import DSparkProposer
 
             self.drafter = DSparkProposer(vllm_config, self.device, self)
     return __init__

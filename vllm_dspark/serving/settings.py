@@ -90,7 +90,7 @@ class DSparkSettings:
                 or self.max_draft_context is not None)
 
     def trust(self) -> dict[str, float | int]:
-        """The budget's :class:`~vllm_dspark.spec_decode.budget.TrustConfig` arguments (a plain dict:
+        """The budget's :class:`~vllm_dspark.spec_decode.common.budget.TrustConfig` arguments (a plain dict:
         this layer does not import the budget)."""
         return {"prior_strength": self.prior_strength, "prior_acceptance": self.prior_acceptance,
                 "probe_tokens": min(self.probe_tokens, self.max_draft_tokens), "probe_period": self.probe_period,
@@ -168,6 +168,21 @@ def for_async_scheduling(s: DSparkSettings) -> tuple[DSparkSettings, str | None]
         "drafts per request, which needs synchronous scheduling on the V1 runner; start vLLM with "
         "--no-async-scheduling (LLM(..., async_scheduling=False)), or set "
         f"speculative_config['{SPEC_KEY}']['verification'] to 'fixed'")
+
+
+def not_applied_on_v2(environ: Mapping[str, str] | None = None) -> str | None:
+    """The warning for DSpark environment settings vLLM 0.33's V2 path ignores, or None when none is set.
+
+    On V2 upstream's own DSpark speculator drafts and verifies; only the Markov op is
+    ours, so none of this table's settings applies there (verification is upstream's
+    ``enable_adaptive_verification``, fed by the confidence head).
+    """
+    env = os.environ if environ is None else environ
+    ignored = [row.env for row in SETTINGS if row.env and env.get(row.env)]
+    if not ignored:
+        return None
+    return (f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not applied on vLLM 0.33's V2 path; "
+            "use the speculative config's enable_adaptive_verification (fed by the confidence head)")
 
 
 def settings_of(hf_config: Any) -> DSparkSettings:
@@ -270,7 +285,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
                         f"{trust['probe_max_period']}, below probe_period {trust['probe_period']}; set it to at "
                         f"least probe_period")
     if problems:
-        raise DSparkSettingsError("DSpark settings cannot be served:\n  - " + "\n  - ".join(problems))
+        raise DSparkSettingsError("DSpark settings cannot be served:\n  - " + "\n  - ".join(problems), problems)
     return DSparkSettings(
         draft=str(draft), block_size=cfg.block_size, num_draft_tokens=cfg.num_draft_tokens,
         max_draft_tokens=n_cap, query_layout=cfg.query_layout, has_confidence_head=cfg.enable_confidence_head,

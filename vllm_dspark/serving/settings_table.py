@@ -15,7 +15,11 @@ from typing import Any
 
 
 class DSparkSettingsError(ValueError):
-    """A DSpark setting has a value that cannot be served; the message names it and the fix."""
+    """DSpark settings that cannot be served; ``problems`` lists each one, naming the setting and the fix."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        self.problems = tuple(problems) if problems else (message,)
+        super().__init__(message)
 
 
 # ------------------------------------------------------------------ parsers: (value, source) -> value

@@ -112,7 +112,7 @@ class EvalIndex:
 
 def evaluation_index() -> EvalIndex:
     """Every prompt the evaluation, the demo and the benchmarks use."""
-    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_entry_points, humaneval_prompts
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_entry_points, humaneval_prompts
 
     return EvalIndex(chat_eval_prompts() + humaneval_prompts(), humaneval_entry_points())
 
@@ -154,8 +154,8 @@ def build(*, seed: int, num_code: int, num_heldout: int, log=print) -> dict:
     """
     import random
 
-    from vllm_dspark.training import corpus, sharegpt
-    from vllm_dspark.training.chat_prompts import _code_prompt, code_tasks
+    from vllm_dspark.tools.training import corpus, sharegpt
+    from vllm_dspark.tools.training.chat_prompts import _code_prompt, code_tasks
 
     rng = random.Random(seed)
     index = evaluation_index()

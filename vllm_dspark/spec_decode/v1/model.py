@@ -36,33 +36,9 @@ from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 from vllm_dspark.checkpoint.io import canonical_name
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.rope import inv_freq_fp64, rope_cos_sin
+from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
 
 logger = logging.getLogger("vllm_dspark")
-
-_DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
-                "mask_token_id")
-
-
-def expose_dspark_keys(hf_config, *, allow_no_markov: bool) -> None:
-    """Copy the DSpark keys SpecForge nests in ``dflash_config`` to where upstream's modules read them.
-
-    A drafter without a Markov head (rank 0, the DFlash-style ablation): on the
-    V1 path (``allow_no_markov``) it is built with a rank-1 head that is never
-    read (upstream always builds one) and :class:`MarkovWeights` carries zero
-    weights; on vLLM 0.33's V2 path upstream's speculator would apply that head,
-    so it is refused there.
-    """
-    dc = getattr(hf_config, "dflash_config", None) or {}
-    for key in _DSPARK_KEYS:
-        if key in dc and getattr(hf_config, key, None) is None:
-            setattr(hf_config, key, dc[key])
-    if not getattr(hf_config, "markov_rank", None):
-        if not allow_no_markov:
-            raise ValueError("vllm_dspark: this DSpark draft has markov_rank 0 (no Markov head); on vLLM 0.33 "
-                             "serve it with method 'dflash'")
-        hf_config.markov_rank = 1
-        hf_config.dspark_no_markov_head = True
-
 
 @functools.lru_cache(maxsize=1)
 def _grouped_rms_norm_broken() -> str | None:

@@ -1,6 +1,6 @@
 """Training a DSpark (or DFlash-style) drafter on captured target features.
 
-Data: a :class:`~vllm_dspark.training.features.FeatureSet` (the target's aux
+Data: a :class:`~vllm_dspark.tools.training.features.FeatureSet` (the target's aux
 hidden states and top-K next-token distribution per token of its own answers).
 
 One example is an anchor-first block at an anchor ``p`` whose next token the

@@ -227,7 +227,7 @@ def bigram_chain(bigram: torch.Tensor, start: int, n: int) -> list[int]:
 
 def expected_length(conf: list[float], threshold: float) -> int:
     """The DSpark reference rule: drafts before the first position whose confidence is below threshold."""
-    from vllm_dspark.spec_decode.verify import threshold_length
+    from vllm_dspark.spec_decode.common.verify import threshold_length
 
     return threshold_length(conf, threshold)
 

@@ -8,7 +8,7 @@ every rank, or one rank waits in a collective that the others never enter:
 * whether the start-up profile is loaded or taken (its dummy runs are
   collectives), and which cost model results;
 * whether a step runs the drafter's block forward, probes, or only stores
-  context K/V (:class:`~vllm_dspark.spec_decode.budget.Plan`);
+  context K/V (:class:`~vllm_dspark.spec_decode.common.budget.Plan`);
 * how many drafts each request sends.
 
 The budget decides these from measured step times, which differ from rank to

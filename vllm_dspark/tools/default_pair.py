@@ -100,7 +100,7 @@ def check_target(path: Path | None = None, *, hash_weights: bool = True) -> list
 
 def prepare_target(*, dtype: str = "bfloat16", force: bool = False, log=print) -> Path:
     """Convert the GGUF into the cache once; later calls only check the result."""
-    from vllm_dspark.checkpoint.gguf_llama import convert_gguf_to_hf
+    from vllm_dspark.tools.gguf_llama import convert_gguf_to_hf
 
     out = target_dir(dtype)
     if not force:

@@ -191,7 +191,7 @@ def real_triton_utils() -> types.ModuleType:
     import triton
     import triton.language as tl
 
-    mod = types.ModuleType("vllm_dspark.testing.upstream.triton_utils_stub")
+    mod = types.ModuleType("tests.upstream.triton_utils_stub")
     mod.triton = triton  # type: ignore[attr-defined]
     mod.tl = tl  # type: ignore[attr-defined]
     mod.HAS_TRITON = True  # type: ignore[attr-defined]

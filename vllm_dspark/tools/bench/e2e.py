@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 
 @dataclass
@@ -46,8 +46,8 @@ def default_pair(num_prompts: int | None = None) -> Pair:
     """SmolLM2-135M-Instruct + the shipped drafters; chat set and HumanEval, chat-templated."""
     from transformers import AutoTokenizer
 
-    from vllm_dspark import default_pair as dp
-    from vllm_dspark.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from vllm_dspark.tools import default_pair as dp
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
 
     paths = dp.default_paths()
     tok = AutoTokenizer.from_pretrained(paths["target"])

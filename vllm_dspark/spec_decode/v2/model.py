@@ -82,14 +82,13 @@ vLLM 0.33 install: see ``docs/vllm-0.33.md``.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.spec_decode.markov_inputs import markov_stage_inputs
+from vllm_dspark.spec_decode.common.markov_inputs import markov_stage_inputs
 from vllm_dspark.versions import V2_SERIES, require
 
 logger = logging.getLogger("vllm_dspark")
@@ -293,8 +292,8 @@ def _build_class():
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
     from vllm_dspark.checkpoint.io import canonical_name
-    from vllm_dspark.serving.settings_table import BY_NAME
-    from vllm_dspark.spec_decode.model_v1 import expose_dspark_keys
+    from vllm_dspark.serving.settings import not_applied_on_v2
+    from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
 
     class DSparkV2DraftModel(Qwen3DSparkForCausalLM):
         """Upstream's Qwen3 DSpark draft whose sequential stage runs on the Markov draft op."""
@@ -307,10 +306,9 @@ def _build_class():
             self._markov: MarkovWeights | None = None
             self._markov_reason: str | None = "weights not loaded yet"
             self._decision: tuple[int, bool] | None = None
-            if os.environ.get(BY_NAME["threshold"].env or ""):
-                logger.warning("vllm_dspark: %s is not applied on vLLM 0.33's V2 path; use the speculative "
-                               "config's enable_adaptive_verification (fed by the confidence head)",
-                               BY_NAME["threshold"].env)
+            ignored = not_applied_on_v2()
+            if ignored:
+                logger.warning("vllm_dspark: %s", ignored)
 
         def load_weights(self, weights):
             loaded = super().load_weights((canonical_name(name), w) for name, w in weights)

@@ -120,7 +120,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_default(args: argparse.Namespace) -> int:
-    from vllm_dspark import default_pair as dp
+    from vllm_dspark.tools import default_pair as dp
 
     try:
         if args.prepare:
@@ -139,7 +139,7 @@ def _cmd_default(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from vllm_dspark.deploy.plan import add_plan_parser
+    from vllm_dspark.tools.deploy.plan import add_plan_parser
 
     parser = argparse.ArgumentParser(prog="vllm-dspark", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)

@@ -20,7 +20,7 @@ def llm_engine(model: str, *, speculative_config: dict | None = None, env: dict 
     os.environ.update({k: str(v) for k, v in (env or {}).items()})
     defaults = dict(dtype="float32", max_model_len=1024, enforce_eager=True, disable_log_stats=False,
                     max_num_seqs=32, seed=0, gpu_memory_utilization=0.15,
-                    worker_extension_cls="vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension")
+                    worker_extension_cls="vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension")
     defaults.update(kwargs)
     llm = LLM(model=model, speculative_config=speculative_config, **defaults)
     try:

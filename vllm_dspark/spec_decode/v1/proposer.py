@@ -47,12 +47,12 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
-from vllm_dspark.spec_decode import budget as B
-from vllm_dspark.spec_decode.consensus import Consensus, divergence_for_rank
-from vllm_dspark.spec_decode.context_kv import PendingContext
-from vllm_dspark.spec_decode.markov_inputs import markov_stage_inputs
-from vllm_dspark.spec_decode.overrides import check_couplings
-from vllm_dspark.spec_decode.verify import VerifyStats, rule_lengths
+from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
+from vllm_dspark.spec_decode.common.markov_inputs import markov_stage_inputs
+from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
+from vllm_dspark.spec_decode.v1.context_kv import PendingContext
+from vllm_dspark.spec_decode.v1.overrides import check_couplings
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -110,7 +110,7 @@ class DSparkProposer(DFlashProposer):
         """Called once the engine is warm (worker patch): profile or load the cost model."""
         if self.settings.verification != "budget" or self.costs is not None:
             return
-        from vllm_dspark.spec_decode.profile import profile_or_load
+        from vllm_dspark.spec_decode.common.profile import profile_or_load
 
         self.costs = profile_or_load(self, self.consensus, self._divergence())
         self.policy.costs = self.costs
@@ -365,7 +365,7 @@ class DSparkProposer(DFlashProposer):
         costs = self.costs
         if costs is None or not costs.stale or not self.consensus.is_decider:
             return
-        from vllm_dspark.spec_decode.profile import drop_cached
+        from vllm_dspark.spec_decode.common.profile import drop_cached
 
         dropped = drop_cached(costs.cache_path)
         logger.warning(
@@ -404,7 +404,7 @@ class DSparkProposer(DFlashProposer):
             tokens[idx], conf[idx] = out.tokens, out.conf
             self.last_markov_path = out.path
         if bool(is_sampled.any()):
-            from vllm_dspark.spec_decode.draft_sampling import sample_drafts
+            from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
 
             idx = is_sampled.nonzero().flatten()
             batch_idx = sel[idx]

@@ -1,10 +1,10 @@
 """A vLLM worker extension that exposes the DSpark proposer's report and per-request state.
 
-    llm = LLM(..., worker_extension_cls="vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension")
+    llm = LLM(..., worker_extension_cls="vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension")
     llm.collective_rpc("dspark_report")[0]   # counters, calibration table, cost model, settings
     llm.collective_rpc("dspark_state")[0]    # which requests the runner and the proposer still hold
 
-    vllm serve ... --worker-extension-cls vllm_dspark.spec_decode.worker_ext.DSparkWorkerExtension
+    vllm serve ... --worker-extension-cls vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension
     (VLLM_SERVER_DEV_MODE=1: POST /collective_rpc {"method": "dspark_state"})
 
 The proposer runs in the worker process; vLLM's ``collective_rpc`` reaches a

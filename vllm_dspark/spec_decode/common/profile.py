@@ -24,7 +24,7 @@ is not trusted blindly:
   than :data:`SPOT_TOLERANCE` x, the profile is taken again (the cached one was
   taken while the machine was busy, or on another state of it);
 * while serving, the online corrections
-  (:class:`~vllm_dspark.spec_decode.budget.CostModel`) track the machine's load;
+  (:class:`~vllm_dspark.spec_decode.common.budget.CostModel`) track the machine's load;
   when one stays far from 1 for long (:attr:`CostModel.stale`), the proposer
   drops the cache entry (:func:`drop_cached`), so the next start profiles again.
 
@@ -46,8 +46,8 @@ from pathlib import Path
 import torch
 
 from vllm_dspark.cache import cache_dir
-from vllm_dspark.spec_decode import budget as B
-from vllm_dspark.spec_decode.consensus import Consensus
+from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common.consensus import Consensus
 
 logger = logging.getLogger("vllm_dspark")
 

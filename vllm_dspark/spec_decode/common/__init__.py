@@ -1,0 +1,1 @@
+"""Runner-independent speculative-decoding logic (imports no runner module)."""
