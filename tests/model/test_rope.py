@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import K3_CONFIG
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.model.rope import inv_freq_fp64, rope_cos_sin, rope_inv_freq_and_scale
+from vllm_dspark.model.rope import rope_cos_sin, rope_inv_freq_and_scale
 
 FAR = 1_048_575
 
@@ -22,7 +22,7 @@ def _reference(pos: int, inv_freq64: torch.Tensor, mscale: float) -> np.ndarray:
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant < 60, reason="needs x87 extended precision")
 def test_k3_yarn_rope_is_exact_at_one_million():
     cfg = DSparkConfig.from_json(K3_CONFIG)
-    f64, mscale = inv_freq_fp64(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    f64, mscale = rope_inv_freq_and_scale(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.float64)
     got = rope_cos_sin(torch.tensor([FAR]), f64, mscale)[0].double().numpy()
     err = np.abs(got - _reference(FAR, f64, mscale)).max()
     assert err <= 1.2e-7 * mscale, err  # fp32 rounding of values of magnitude <= mscale
@@ -35,7 +35,7 @@ def test_k3_yarn_rope_is_exact_at_one_million():
 
 def test_exact_table_matches_small_positions_of_the_fp32_formula():
     cfg = DSparkConfig.from_json(K3_CONFIG)
-    f64, mscale = inv_freq_fp64(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    f64, mscale = rope_inv_freq_and_scale(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.float64)
     f32, m32 = rope_inv_freq_and_scale(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     assert mscale == pytest.approx(m32)
     torch.testing.assert_close(f64.float(), f32, rtol=2e-7, atol=0)

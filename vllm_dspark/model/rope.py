@@ -14,37 +14,6 @@ import math
 import torch
 
 
-def inv_freq_fp64(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """:func:`rope_inv_freq_and_scale` evaluated in fp64 (the long-context path's frequencies).
-
-    An fp32 frequency carries a relative error of up to 6e-8; at position 1,048,575
-    that alone moves the highest-frequency angle by ~0.06 rad. Computing the
-    frequencies and the angles in fp64 keeps every angle exact to fp32 rounding.
-    """
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim
-    inv_freq = 1.0 / (float(theta) ** exponents)
-    rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
-    if rtype in (None, "default"):
-        return inv_freq, 1.0
-    assert scaling is not None  # rtype is None without scaling
-    factor = float(scaling["factor"])
-    if rtype == "linear":
-        return inv_freq / factor, 1.0
-    if rtype != "yarn":
-        raise ValueError(f"rope_type {rtype!r} is not supported")
-    orig = int(scaling.get("original_max_position_embeddings", 4096))
-    low = math.floor(_yarn_correction_dim(float(scaling.get("beta_fast", 32)), head_dim, theta, orig))
-    high: float = math.ceil(_yarn_correction_dim(float(scaling.get("beta_slow", 1)), head_dim, theta, orig))
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-    keep = 1.0 - ramp
-    inv_freq = (inv_freq / factor) * (1 - keep) + inv_freq * keep
-    mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))
-    return inv_freq, mscale
-
-
 def rope_cos_sin(positions: torch.Tensor, inv_freq64: torch.Tensor, mscale: float,
                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[N, rot_dim]`` = cat(cos, sin) * mscale at ``positions``, angles in fp64.
@@ -62,10 +31,17 @@ def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_pos: i
     return (dim * math.log(max_pos / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
 
 
-def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies [head_dim // 2] (fp32) and the cos/sin magnitude scale."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
-    inv_freq = 1.0 / (theta ** exponents)
+def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None,
+                            dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [head_dim // 2] in ``dtype`` and the cos/sin magnitude scale.
+
+    fp32 gives the frequencies the reference drafter and Hugging Face use. fp64
+    is the long-context path's: an fp32 frequency carries a relative error of up
+    to 6e-8, which at position 1,048,575 alone moves the highest-frequency angle
+    by ~0.06 rad; fp64 frequencies and angles keep every angle exact to fp32 rounding.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=dtype) / head_dim
+    inv_freq = 1.0 / (float(theta) ** exponents)
     rtype = None if not scaling else scaling.get("rope_type", scaling.get("type"))
     if rtype in (None, "default"):
         return inv_freq, 1.0
@@ -74,16 +50,14 @@ def rope_inv_freq_and_scale(head_dim: int, theta: float, scaling: dict | None) -
     if rtype == "linear":
         return inv_freq / factor, 1.0
     if rtype != "yarn":
-        raise ValueError(f"rope_type {rtype!r} is not supported by the reference drafter")
+        raise ValueError(f"rope_type {rtype!r} is not supported by the DSpark drafter")
     orig = int(scaling.get("original_max_position_embeddings", 4096))
-    beta_fast = float(scaling.get("beta_fast", 32))
-    beta_slow = float(scaling.get("beta_slow", 1))
-    low = math.floor(_yarn_correction_dim(beta_fast, head_dim, theta, orig))
-    high: float = math.ceil(_yarn_correction_dim(beta_slow, head_dim, theta, orig))
+    low = math.floor(_yarn_correction_dim(float(scaling.get("beta_fast", 32)), head_dim, theta, orig))
+    high: float = math.ceil(_yarn_correction_dim(float(scaling.get("beta_slow", 1)), head_dim, theta, orig))
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=dtype) - low) / (high - low)).clamp(0, 1)
     extrapolation_weight = 1.0 - ramp  # 1 keeps the original (high) frequency
     inv_freq = (inv_freq / factor) * (1 - extrapolation_weight) + inv_freq * extrapolation_weight
     mscale = float(scaling.get("attention_factor") or (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0))

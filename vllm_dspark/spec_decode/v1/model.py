@@ -35,7 +35,7 @@ from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_dspark.checkpoint.io import canonical_name
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.model.rope import inv_freq_fp64, rope_cos_sin
+from vllm_dspark.model.rope import rope_cos_sin, rope_inv_freq_and_scale
 from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
 
 logger = logging.getLogger("vllm_dspark")
@@ -118,8 +118,8 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         theta = float(rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
         scaling = rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
         attn0 = self.model.layers[0].self_attn
-        inv_freq64, mscale = inv_freq_fp64(attn0.rotary_emb.rotary_dim if hasattr(attn0.rotary_emb, "rotary_dim")
-                                           else attn0.head_dim, theta, scaling)
+        rot_dim = attn0.rotary_emb.rotary_dim if hasattr(attn0.rotary_emb, "rotary_dim") else attn0.head_dim
+        inv_freq64, mscale = rope_inv_freq_and_scale(rot_dim, theta, scaling, torch.float64)
         self.exact_rotary = ExactRotary(attn0.rotary_emb, inv_freq64, mscale)
         for layer in self.model.layers:
             layer.self_attn.rotary_emb = self.exact_rotary
