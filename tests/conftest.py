@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import MAX_TOKENS, VOCAB, make_prompts
+from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
 from vllm_dspark.tools.bench.engine import llm_engine
-from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.tiny_pair import make_drafter
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,7 +31,6 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    import torch
 
     if torch.cuda.is_available():
         return
@@ -45,7 +44,6 @@ def pytest_collection_modifyitems(config, items):
 def tiny_ckpt(tmp_path_factory) -> Path:
     """A tiny random checkpoint in SpecForge's export layout (read-only: copy before corrupting)."""
     from tests.helpers import tiny_config
-    from vllm_dspark.tools.tiny_pair import make_drafter
 
     return make_drafter(tmp_path_factory.mktemp("ckpt") / "tiny", tiny_config(), mode="random", seed=1)
 
@@ -54,17 +52,10 @@ def tiny_ckpt(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwen_pair(tmp_path_factory):
     """Qwen3 target (bigram-like) + DSpark drafter: Markov head mostly right, backbone live."""
-    root = tmp_path_factory.mktemp("qwen_pair")
-    bigram = random_bigram(VOCAB, seed=3)
-    target = make_target(root / "target", arch="qwen3", vocab_size=VOCAB, bigram=bigram, num_layers=4)
-    cfg = drafter_config_for(target, block_size=7, markov_rank=64, target_layer_ids=(0, 1, 2))
     # A drafter that knows 80% of the table: real rejections, real acceptances.
-    wrong = bigram.clone()
-    g = torch.Generator().manual_seed(11)
-    flip = torch.rand(VOCAB, generator=g) < 0.2
-    wrong[flip] = torch.randint(0, 256, (int(flip.sum()),), generator=g)
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=wrong, backbone_scale=0.05, seed=5)
-    return {"target": str(target), "draft": str(draft), "bigram": bigram, "config": cfg}
+    return tiny_pair(tmp_path_factory.mktemp("qwen_pair"), seed=3, target={"arch": "qwen3", "num_layers": 4},
+                     drafter={"block_size": 7, "markov_rank": 64, "target_layer_ids": (0, 1, 2)},
+                     known=0.8, known_seed=11, backbone_scale=0.05, draft_seed=5).as_dict()
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,18 @@
-"""Shared test data: the reference configs (inside the repository) and a tiny drafter config."""
+"""Shared test data and helpers: the reference configs, a tiny drafter config, the one tiny-pair factory
+(:func:`tiny_pair`) and the one ``vllm serve`` helper (:func:`serving`)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from vllm_dspark.config import DSparkConfig
 
@@ -116,3 +125,109 @@ def default_pair_dirs() -> dict[str, str]:
     if problems:
         pytest.skip(f"the default target is not prepared ({problems[0]}); run scripts/setup_env.sh")
     return paths
+
+
+# ---------------------------------------------------------------- the one tiny-pair factory
+@dataclass
+class TinyPair:
+    """A tiny target (almost a bigram model) and a DSpark drafter for it, on disk."""
+
+    target: str
+    draft: str
+    bigram: Any  # the target's greedy next token per token ([vocab] int64)
+    draft_bigram: Any  # the table the drafter's Markov head encodes (oracle mode)
+    config: DSparkConfig
+    root: Path
+
+    def as_dict(self) -> dict:
+        return {"target": self.target, "draft": self.draft, "bigram": self.bigram, "config": self.config,
+                "root": self.root}
+
+
+def tiny_pair(root: Path, *, vocab: int = VOCAB, seed: int = 3, target: dict | None = None,
+              drafter: dict | None = None, mode: str = "oracle", known: float = 1.0, known_seed: int = 11,
+              config_changes: dict | None = None, draft_bigram=None, draft_seed: int = 0,
+              bigram_target: bool = True, draft_name: str = "draft", **make_drafter_kw) -> TinyPair:
+    """Build a tiny target and its drafter under ``root``.
+
+    ``target`` / ``drafter``: keyword arguments of ``make_target`` / ``drafter_config_for``;
+    ``config_changes`` then replace fields of the drafter's config.
+    ``known``: the share of the bigram table the drafter knows (the rest is replaced by random
+    byte tokens, seeded by ``known_seed``): real rejections beside real acceptances. An explicit
+    ``draft_bigram`` replaces that table. ``make_drafter_kw`` go to ``make_drafter``
+    (``backbone_scale``, ``scale``, ...). ``bigram_target=False``: a target with random weights
+    (``bigram`` is then only the drafter's table).
+    """
+    import torch
+
+    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+
+    bigram = random_bigram(vocab, seed=seed)
+    tdir = make_target(root / "target", vocab_size=vocab, bigram=bigram if bigram_target else None,
+                       **(target or {}))
+    cfg = drafter_config_for(tdir, **(drafter or {}))
+    if config_changes:
+        cfg = cfg.replace(**config_changes)
+    if draft_bigram is None:
+        draft_bigram = bigram.clone()
+        if known < 1.0:
+            g = torch.Generator().manual_seed(known_seed)
+            flip = torch.rand(vocab, generator=g) < (1.0 - known)
+            draft_bigram[flip] = torch.randint(0, 256, (int(flip.sum()),), generator=g)
+    extra = {"bigram": draft_bigram} if mode == "oracle" else {}
+    ddir = make_drafter(root / draft_name, cfg, mode=mode, seed=draft_seed, **extra, **make_drafter_kw)
+    return TinyPair(str(tdir), str(ddir), bigram, draft_bigram, cfg, root)
+
+
+# ---------------------------------------------------------------- the one `vllm serve` helper
+@dataclass
+class Server:
+    base: str  # http://127.0.0.1:PORT
+    port: int
+    proc: subprocess.Popen
+    log: Path
+
+
+def serve_command(target: str, draft: str, port: int, *, num_speculative_tokens: int = 6,
+                  max_model_len: int = 512, extra: tuple[str, ...] = ()) -> list[str]:
+    """``vllm serve`` of a tiny pair on loopback, in float32, eager."""
+    vllm = str(Path(sys.executable).with_name("vllm"))
+    spec = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": num_speculative_tokens})
+    return [vllm, "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+            "--max-model-len", str(max_model_len), "--enforce-eager", "--speculative-config", spec, *extra]
+
+
+@contextlib.contextmanager
+def serving(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float = 300) -> Iterator[Server]:
+    """Start ``cmd`` (a ``vllm serve`` on 127.0.0.1 ``--port``); yield it once /health answers, then stop it."""
+    import urllib.request
+
+    port = int(cmd[cmd.index("--port") + 1])
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1", "tests serve on loopback only"
+    log = open(log_path, "w")  # noqa: SIM115 (the server outlives this function)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"vllm serve did not become healthy in {timeout:.0f} s:\n"
+                                     + log_path.read_text()[-4000:])
+            time.sleep(1)
+        yield Server(base, port, proc, log_path)
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        log.close()

@@ -41,17 +41,16 @@ def tiny_models(tmp_path_factory):
     bigram table is wrong for a quarter of the tokens (so drafts are partly rejected)."""
     import torch
 
-    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+    from tests.helpers import tiny_pair
+    from vllm_dspark.tools.tiny_pair import random_bigram
 
-    base = tmp_path_factory.mktemp("deploy_models")
-    bigram = random_bigram(VOCAB, seed=3)
-    target = make_target(base / "target", vocab_size=VOCAB, num_heads=4, num_kv_heads=2, head_dim=64,
-                         num_layers=4, bigram=bigram, dtype=torch.float32)
-    draft_bigram = bigram.clone()
+    draft_bigram = random_bigram(VOCAB, seed=3)
     wrong = torch.arange(0, VOCAB, 4)
-    draft_bigram[wrong] = (bigram[wrong] + 1) % 256
-    draft = make_drafter(base / "draft", drafter_config_for(target), mode="oracle", bigram=draft_bigram)
-    return {"target": str(target), "draft": str(draft), "bigram": bigram}
+    draft_bigram[wrong] = (draft_bigram[wrong] + 1) % 256
+    pair = tiny_pair(tmp_path_factory.mktemp("deploy_models"), vocab=VOCAB, seed=3, draft_bigram=draft_bigram,
+                     target={"num_heads": 4, "num_kv_heads": 2, "head_dim": 64, "num_layers": 4,
+                             "dtype": torch.float32})
+    return {"target": pair.target, "draft": pair.draft, "bigram": pair.bigram}
 
 
 @pytest.fixture(scope="session")

@@ -28,15 +28,15 @@ def test_script_parses():
 def pair(tmp_path_factory):
     """A tiny target and drafter whose heads split over TP 8, the drafter at a path no string-pasted
     JSON survives."""
-    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
+    from tests.helpers import tiny_pair
 
-    root = tmp_path_factory.mktemp("k3_script")
-    target = make_target(root / "target", vocab_size=320, hidden_size=512, num_layers=3, num_heads=8,
-                         num_kv_heads=8, head_dim=64, intermediate_size=256)
-    cfg = drafter_config_for(target, block_size=5, markov_rank=8, target_layer_ids=(0, 1), num_heads=8,
-                             num_kv_heads=8, intermediate_size=256)
-    draft = make_drafter(root / 'my "best" drafter\\v2 \'k3\'', cfg)
-    return str(target), str(draft)
+    p = tiny_pair(tmp_path_factory.mktemp("k3_script"), vocab=320, bigram_target=False, mode="random",
+                  target={"hidden_size": 512, "num_layers": 3, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64,
+                          "intermediate_size": 256},
+                  drafter={"block_size": 5, "markov_rank": 8, "target_layer_ids": (0, 1), "num_heads": 8,
+                           "num_kv_heads": 8, "intermediate_size": 256},
+                  draft_name='my "best" drafter\\v2 \'k3\'')
+    return p.target, p.draft
 
 
 def _run(args, *, key=None, open_env=None, dry=True, num_spec="5"):

@@ -3,21 +3,18 @@ one-line start-up errors, and the README's ``vllm serve`` line started as writte
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import default_pair_dirs, free_port, readme_command
-from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+from tests.helpers import default_pair_dirs, free_port, readme_command, serve_command, serving, tiny_pair
 
 pytestmark = pytest.mark.engine
 VLLM = str(Path(sys.executable).with_name("vllm"))
@@ -26,52 +23,13 @@ API_KEY = "test-key-0123456789"  # the shared server requires it on every /v1 re
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_pair")
-    bigram = random_bigram(384, seed=21)
-    target = make_target(root / "target", vocab_size=384, bigram=bigram, num_layers=3)
-    cfg = drafter_config_for(target, block_size=6, markov_rank=64, target_layer_ids=(0, 1))
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=bigram, backbone_scale=0.05)
-    return target, draft, root
+    p = tiny_pair(tmp_path_factory.mktemp("serve_pair"), seed=21, target={"num_layers": 3},
+                  drafter={"block_size": 6, "markov_rank": 64, "target_layer_ids": (0, 1)}, backbone_scale=0.05)
+    return p.target, p.draft, p.root
 
 
 def _serve_cmd(target, draft, port, extra=()):
-    spec = json.dumps({"method": "dspark", "model": str(draft), "num_speculative_tokens": 6})
-    return [VLLM, "serve", str(target), "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-            "--max-model-len", "512", "--enforce-eager", "--gpu-memory-utilization", "0.15",
-            "--speculative-config", spec, *extra]
-
-
-@contextlib.contextmanager
-def serving(cmd, log_path: Path, env: dict[str, str], timeout: float = 300):
-    """Start ``cmd`` (a ``vllm serve`` on 127.0.0.1:``--port``), yield its base URL once /health answers."""
-    port = cmd[cmd.index("--port") + 1]
-    assert cmd[cmd.index("--host") + 1] == "127.0.0.1", "tests serve on loopback only"
-    log = open(log_path, "w")  # noqa: SIM115 (the server outlives this function)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n" + log_path.read_text()[-4000:])
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"vllm serve did not become healthy in {timeout:.0f} s:\n"
-                                     + log_path.read_text()[-4000:])
-            time.sleep(2)
-        yield base
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-        log.close()
+    return serve_command(target, draft, port, extra=("--gpu-memory-utilization", "0.15", *extra))
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +39,8 @@ def server(pair):
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
     env.pop("VLLM_API_KEY", None)
     cmd = _serve_cmd(target, draft, free_port(), extra=("--api-key", API_KEY))
-    with serving(cmd, root / "serve.log", env) as base:
-        yield base, str(target)
+    with serving(cmd, root / "serve.log", env) as srv:
+        yield srv.base, str(target)
 
 
 def _post(url: str, body: dict, key: str | None) -> tuple[int, dict]:
@@ -181,8 +139,8 @@ def test_the_readme_serve_line_starts_as_written(default_pair, tmp_path):
     cmd = [VLLM, *cmd[1:], "--host", "127.0.0.1", "--port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY")}
     log_path = tmp_path / "readme_serve.log"
-    with serving(cmd, log_path, env, timeout=900) as base:
-        status, reply = _post(base + "/v1/completions", {"model": default_pair["target"], "prompt": "The capital "
+    with serving(cmd, log_path, env, timeout=900) as srv:
+        status, reply = _post(srv.base + "/v1/completions", {"model": default_pair["target"], "prompt": "The capital "
                               "of France is", "max_tokens": 8, "temperature": 0}, None)
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
     log = log_path.read_text()

@@ -21,18 +21,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
-from vllm_dspark.tools.tiny_pair import bigram_chain, drafter_config_for, make_drafter, make_target, random_bigram
+from tests.helpers import free_port, serve_command, serving, tiny_pair
+from vllm_dspark.tools.tiny_pair import bigram_chain
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
-VLLM = str(Path(sys.executable).with_name("vllm"))
 VOCAB = 384
 MAX_MODEL_LEN = 512
 MAX_SEQS = 8
@@ -40,51 +36,21 @@ MAX_SEQS = 8
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_reliability_pair")
-    bigram = random_bigram(VOCAB, seed=21)
-    target = make_target(root / "target", vocab_size=VOCAB, bigram=bigram, num_layers=3)
-    cfg = drafter_config_for(target, block_size=6, markov_rank=64, target_layer_ids=(0, 1))
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=bigram, backbone_scale=0.05)
-    return {"target": str(target), "draft": str(draft), "bigram": bigram, "root": root}
+    return tiny_pair(tmp_path_factory.mktemp("serve_reliability_pair"), vocab=VOCAB, seed=21,
+                     target={"num_layers": 3},
+                     drafter={"block_size": 6, "markov_rank": 64, "target_layer_ids": (0, 1)},
+                     backbone_scale=0.05).as_dict()
 
 
 @pytest.fixture(scope="module")
 def server(pair):
-    import httpx
-
     port = free_port()
-    spec = json.dumps({"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 6})
-    cmd = [VLLM, "serve", pair["target"], "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-           "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--max-num-seqs", str(MAX_SEQS),
-           "--max-num-batched-tokens", "64", "--served-model-name", "tiny", "--speculative-config", spec,
-           "--worker-extension-cls", "vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension"]
-    log_path = pair["root"] / "serve.log"
-    log = open(log_path, "w")  # noqa: SIM115  (closed at the end of the module)
+    cmd = serve_command(pair["target"], pair["draft"], port, max_model_len=MAX_MODEL_LEN, extra=(
+        "--max-num-seqs", str(MAX_SEQS), "--max-num-batched-tokens", "64", "--served-model-name", "tiny",
+        "--worker-extension-cls", "vllm_dspark.spec_decode.v1.worker_ext.DSparkWorkerExtension"))
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_SERVER_DEV_MODE="1")  # dev mode: /collective_rpc
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"vllm serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("vllm serve not healthy in 300 s:\n" + log_path.read_text()[-4000:])
-            time.sleep(1)
-        yield {"base": base, "proc": proc, "port": port, "log": log_path}
-    finally:
-        os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-        log.close()
+    with serving(cmd, pair["root"] / "serve.log", env) as srv:
+        yield {"base": srv.base, "proc": srv.proc, "port": srv.port, "log": srv.log}
 
 
 def _body(prompt, n: int, **kw) -> dict:

@@ -5,19 +5,20 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 
-from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
+from tests.helpers import tiny_pair
+from vllm_dspark.tools.tiny_pair import make_drafter
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("bad_drafts")
-    target = make_target(root / "target", vocab_size=320, num_layers=3)
-    cfg = drafter_config_for(target, block_size=4, markov_rank=16, target_layer_ids=(0, 1))
-    good = make_drafter(root / "good", cfg)
-    return root, target, good, cfg
+    p = tiny_pair(tmp_path_factory.mktemp("bad_drafts"), vocab=320, bigram_target=False, mode="random",
+                  target={"num_layers": 3}, drafter={"block_size": 4, "markov_rank": 16, "target_layer_ids": (0, 1)},
+                  draft_name="good")
+    return p.root, Path(p.target), Path(p.draft), p.config
 
 
 def _start(target, draft, n=4):

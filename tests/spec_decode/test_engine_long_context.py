@@ -21,6 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import tiny_pair
 from tests.reference_check import ReferenceDrafter, match_sequence
 from vllm_dspark.serving.settings import DSparkSettings
 from vllm_dspark.tools.bench.engine import (
@@ -31,7 +32,6 @@ from vllm_dspark.tools.bench.engine import (
     read_trace,
     spec_metrics,
 )
-from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = pytest.mark.engine
 VOCAB = 384
@@ -45,20 +45,14 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # the scheduler and the proposer 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("long_pair")
-    bigram = random_bigram(VOCAB, seed=21)
-    target = make_target(root / "target", vocab_size=VOCAB, bigram=bigram, num_layers=4,
-                         max_position_embeddings=4096)
-    cfg = drafter_config_for(target, block_size=BLOCK, markov_rank=64, target_layer_ids=(0, 1, 2),
-                             num_layers=2).replace(max_position_embeddings=TRAINED)
-    wrong = bigram.clone()
-    g = torch.Generator().manual_seed(5)
-    flip = torch.rand(VOCAB, generator=g) < 0.15
-    wrong[flip] = torch.randint(0, 256, (int(flip.sum()),), generator=g)
     # A live backbone (not silenced): its attention over the context shapes the confidences,
     # so wrong rotary angles or a wrong window would show in the reference check.
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=wrong, backbone_scale=0.3, seed=9)
-    return {"target": str(target), "draft": str(draft)}
+    pair = tiny_pair(tmp_path_factory.mktemp("long_pair"), seed=21,
+                     target={"num_layers": 4, "max_position_embeddings": 4096},
+                     drafter={"block_size": BLOCK, "markov_rank": 64, "target_layer_ids": (0, 1, 2), "num_layers": 2},
+                     config_changes={"max_position_embeddings": TRAINED},
+                     known=0.85, known_seed=5, backbone_scale=0.3, draft_seed=9)
+    return {"target": pair.target, "draft": pair.draft}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:

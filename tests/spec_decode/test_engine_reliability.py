@@ -32,8 +32,8 @@ import time
 import pytest
 import torch
 
+from tests.helpers import tiny_pair
 from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
-from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 VOCAB = 384
@@ -55,18 +55,11 @@ TEXT_PROMPTS = ["Give me a person as JSON: ", "name age ok = ", "{}", "The recor
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("reliability_pair")
-    bigram = random_bigram(VOCAB, seed=3)
-    target = make_target(root / "target", vocab_size=VOCAB, bigram=bigram, num_layers=4)
-    cfg = drafter_config_for(target, block_size=7, markov_rank=64, target_layer_ids=(0, 1, 2))
-    wrong = bigram.clone()
-    g = torch.Generator().manual_seed(11)
-    flip = torch.rand(VOCAB, generator=g) < 0.2
-    wrong[flip] = torch.randint(0, 256, (int(flip.sum()),), generator=g)
     # A live backbone: its attention over the context K/V shapes drafts and confidences, so a
     # missing or stale context (e.g. after a prefix-cache hit) changes what it drafts.
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=wrong, backbone_scale=0.3, seed=5)
-    return {"target": str(target), "draft": str(draft), "root": root}
+    return tiny_pair(tmp_path_factory.mktemp("reliability_pair"), seed=3, target={"num_layers": 4},
+                     drafter={"block_size": 7, "markov_rank": 64, "target_layer_ids": (0, 1, 2)},
+                     known=0.8, known_seed=11, backbone_scale=0.3, draft_seed=5).as_dict()
 
 
 def _ids(n: int, lo: int, step: int, seed: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import MAX_TOKENS, make_prompts
+from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.tools.bench.engine import (
     acceptance_summary,
@@ -21,7 +21,7 @@ from vllm_dspark.tools.bench.engine import (
     spec_metrics,
     verified_draft_tokens,
 )
-from vllm_dspark.tools.tiny_pair import drafter_config_for, expected_length, make_drafter, make_target, random_bigram
+from vllm_dspark.tools.tiny_pair import expected_length
 
 pytestmark = pytest.mark.engine
 VOCAB = 301
@@ -31,13 +31,11 @@ N = 4
 
 @pytest.fixture(scope="module")
 def llama_pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama_pair")
-    bigram = random_bigram(VOCAB, seed=7)
-    target = make_target(root / "target", arch="llama", vocab_size=VOCAB, bigram=bigram, num_layers=3,
-                         hidden_size=128, num_heads=2, num_kv_heads=2)
-    cfg = drafter_config_for(target, block_size=5, markov_rank=64, target_layer_ids=(0, 2), num_layers=2)
-    draft = make_drafter(root / "draft", cfg, mode="oracle", bigram=bigram, backbone_scale=0.05, seed=9)
-    return {"target": str(target), "draft": str(draft)}
+    pair = tiny_pair(tmp_path_factory.mktemp("llama_pair"), vocab=VOCAB, seed=7,
+                     target={"arch": "llama", "num_layers": 3, "hidden_size": 128, "num_heads": 2, "num_kv_heads": 2},
+                     drafter={"block_size": 5, "markov_rank": 64, "target_layer_ids": (0, 2), "num_layers": 2},
+                     backbone_scale=0.05, draft_seed=9)
+    return {"target": pair.target, "draft": pair.draft}
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,7 @@ import importlib
 import inspect
 import json
 import logging
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -189,12 +190,12 @@ def stack(upstream, tmp_path_factory):
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target
+    from tests.helpers import tiny_pair
 
-    root = tmp_path_factory.mktemp("v2_upstream")
-    target = make_target(root / "target", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
-    config = drafter_config_for(target, block_size=N, markov_rank=RANK)
-    drafter = make_drafter(root / "drafter", config, mode="random", seed=1, scale=0.3)
+    pair = tiny_pair(tmp_path_factory.mktemp("v2_upstream"), vocab=VOCAB, bigram_target=False, mode="random",
+                     target={"hidden_size": HIDDEN, "num_layers": 2}, drafter={"block_size": N, "markov_rank": RANK},
+                     draft_name="drafter", draft_seed=1, scale=0.3)
+    root, target, config, drafter = pair.root, Path(pair.target), pair.config, Path(pair.draft)
     # Served exactly as exported: vLLM 0.33.0's speculator would refuse dflash_config.sample_from_anchor.
     assert "sample_from_anchor" not in json.loads((drafter / "config.json").read_text())["dflash_config"]
     vc = EngineArgs(model=str(target), dtype="float32", max_model_len=MAX_LEN, enforce_eager=True,
