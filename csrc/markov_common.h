@@ -150,19 +150,10 @@ DSPARK_HD float bias_bound(float w2_norm, float scale) {
 }
 
 // ---------------------------------------------------------------------------
-// Confidence and draft length (reference: sigmoid in fp64, returned as fp32).
+// Confidence (reference: sigmoid in fp64, returned as fp32).
 // ---------------------------------------------------------------------------
 DSPARK_HD float confidence(double z) {
   return static_cast<float>(1.0 / (1.0 + ::exp(-z)));
-}
-
-// DSpark's rule (DeepSpec _confident_prefix_length): the draft ends before the
-// first position whose OWN confidence is below the threshold. `alive` says
-// whether every earlier position passed; returns whether this one extends the
-// draft. threshold <= 0 keeps everything (confidences are >= 0) and a NaN
-// confidence compares false, exactly as the reference's `conf < threshold`.
-DSPARK_HD bool still_confident(bool alive, float conf, double threshold) {
-  return alive && !(static_cast<double>(conf) < threshold);
 }
 
 }  // namespace dspark

@@ -21,7 +21,7 @@ inline MarkovShapes check_markov_args(
     const at::Tensor& w2_row_norms, const std::optional<at::Tensor>& conf_base,
     const std::optional<at::Tensor>& conf_w_markov, const at::Tensor& temperature,
     const at::Tensor& seeds, const at::Tensor& out_tokens, const at::Tensor& out_conf,
-    const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
+    const std::optional<at::Tensor>& out_logits,
     const std::optional<at::Tensor>& out_stats, const std::optional<at::Tensor>& max_norms) {
   TORCH_CHECK(base_logits.dim() == 3, "markov_draft: base_logits must be [R, B, V], got ",
               base_logits.sizes());
@@ -61,7 +61,6 @@ inline MarkovShapes check_markov_args(
   if (conf_w_markov.has_value()) check_1d(*conf_w_markov, rank, at::kFloat, "conf_w_markov");
   check_2d(out_tokens, R, B, at::kLong, "out_tokens");
   check_2d(out_conf, R, B, at::kFloat, "out_conf");
-  check_1d(out_lengths, R, at::kInt, "out_lengths");
   if (out_stats.has_value()) check_2d(*out_stats, R, B, at::kInt, "out_stats");
   if (out_logits.has_value()) {
     const auto& l = *out_logits;
@@ -70,7 +69,7 @@ inline MarkovShapes check_markov_args(
                 "markov_draft: out_logits must be [R, B, V] fp32, got ", l.sizes(), " of ",
                 l.scalar_type());
   }
-  for (const at::Tensor* t : {&out_tokens, &out_conf, &out_lengths}) {
+  for (const at::Tensor* t : {&out_tokens, &out_conf}) {
     TORCH_CHECK(t->is_contiguous(), "markov_draft: outputs must be contiguous");
   }
   if (out_logits.has_value()) TORCH_CHECK(out_logits->is_contiguous(), "markov_draft: out_logits must be contiguous");
@@ -92,7 +91,6 @@ inline MarkovShapes check_markov_args(
   same_device(seeds, "seeds");
   same_device(out_tokens, "out_tokens");
   same_device(out_conf, "out_conf");
-  same_device(out_lengths, "out_lengths");
   if (conf_base.has_value()) same_device(*conf_base, "conf_base");
   if (conf_w_markov.has_value()) same_device(*conf_w_markov, "conf_w_markov");
   if (out_logits.has_value()) same_device(*out_logits, "out_logits");

@@ -178,10 +178,8 @@ struct Args {
   const float* conf_w;     // nullable
   const float* temperature;
   const int64_t* seeds;
-  double threshold;
   int64_t* out_tokens;
   float* out_conf;
-  int32_t* out_lengths;
   float* out_logits;  // nullable
   int32_t* out_stats;  // nullable
   float max_norm;      // max_j norms[j]
@@ -420,8 +418,6 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
   const float T = a.temperature[r];
   const bool sampled = T > 0.f;
   int64_t prev = a.anchor[r];
-  bool alive = true;
-  int32_t length = 0;
   double* e64 = s.e64.data();
   for (int64_t i = 0; i < a.B; ++i) {
     const int64_t row = r * a.B + i;
@@ -450,13 +446,9 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
     a.out_tokens[row] = tok;
     if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(solver.n_exact);
 
-    const float c = row_conf(a, row, e64);
-    a.out_conf[row] = c;
-    alive = still_confident(alive, c, a.threshold);
-    length += alive ? 1 : 0;
+    a.out_conf[row] = row_conf(a, row, e64);
     prev = tok;
   }
-  a.out_lengths[r] = length;
 }
 
 template <typename TB, typename TW>
@@ -492,8 +484,6 @@ void run_dense_all(const Args& a) {
   (void)gumbel_tables();
   std::vector<int64_t> prev(a.anchor, a.anchor + R);
   std::vector<double> E(static_cast<size_t>(R * rank));  // [R, rank] embeddings
-  std::vector<char> alive(R, 1);
-  std::vector<int32_t> length(R, 0);
   const int64_t ntiles = (V + kDenseRows - 1) / kDenseRows;
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t r = 0; r < R; ++r) {
@@ -532,15 +522,11 @@ void run_dense_all(const Args& a) {
         if (tok < 0 || tok >= V) tok = 0;  // only NaN logits leave no winner
         a.out_tokens[row] = tok;
         if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(V);
-        const float c = row_conf(a, row, &E[r * rank]);
-        a.out_conf[row] = c;
-        alive[r] = still_confident(alive[r] != 0, c, a.threshold) ? 1 : 0;
-        length[r] += alive[r];
+        a.out_conf[row] = row_conf(a, row, &E[r * rank]);
         prev[r] = tok;
       }
     }
   }
-  for (int64_t r = 0; r < R; ++r) a.out_lengths[r] = length[r];
 }
 
 template <typename TB>
@@ -558,20 +544,17 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
                       const at::Tensor& w2_row_norms,
                       const std::optional<at::Tensor>& conf_base,
                       const std::optional<at::Tensor>& conf_w_markov,
-                      const at::Tensor& temperature, const at::Tensor& seeds, double threshold,
+                      const at::Tensor& temperature, const at::Tensor& seeds,
                       const at::Tensor& out_tokens, const at::Tensor& out_conf,
-                      const at::Tensor& out_lengths, const std::optional<at::Tensor>& out_logits,
+                      const std::optional<at::Tensor>& out_logits,
                       const std::optional<at::Tensor>& out_stats,
                       const std::optional<at::Tensor>& max_norms) {
   // max_norms only feeds the CUDA kernel's prev-independent bound; the CPU twin
   // bounds each row with the exact embedding norm (checked for shape only).
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats, max_norms);
-  if (sh.num_reqs == 0 || sh.block == 0) {
-    out_lengths.zero_();
-    return;
-  }
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms);
+  if (sh.num_reqs == 0 || sh.block == 0) return;
   TORCH_CHECK(sh.vocab > 0, "markov_draft: vocab must be > 0");
   // Inputs are read in place when contiguous (the usual case).
   const at::Tensor base = base_logits.contiguous();
@@ -598,10 +581,8 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   a.conf_w = cw.defined() ? cw.data_ptr<float>() : nullptr;
   a.temperature = temp.data_ptr<float>();
   a.seeds = sd.data_ptr<int64_t>();
-  a.threshold = threshold;
   a.out_tokens = out_tokens.data_ptr<int64_t>();
   a.out_conf = out_conf.data_ptr<float>();
-  a.out_lengths = out_lengths.data_ptr<int32_t>();
   a.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   a.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
   float max_norm = 0.f;

@@ -30,8 +30,7 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
                        const std::optional<at::Tensor>& conf_base,
                        const std::optional<at::Tensor>& conf_w_markov,
                        const at::Tensor& temperature, const at::Tensor& seeds,
-                       double threshold, const at::Tensor& out_tokens,
-                       const at::Tensor& out_conf, const at::Tensor& out_lengths,
+                       const at::Tensor& out_tokens, const at::Tensor& out_conf,
                        const std::optional<at::Tensor>& out_logits,
                        const std::optional<at::Tensor>& out_stats,
                        const std::optional<at::Tensor>& max_norms) {
@@ -40,7 +39,7 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   // is rejected here with its name instead of being dereferenced by a kernel.
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_lengths, out_logits, out_stats, max_norms);
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms);
   TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
   TORCH_CHECK(sh.num_reqs < (int64_t(1) << 24), "markov_draft: at most 2^24 requests per call");
   const c10::cuda::OptionalCUDAGuard guard(base_logits.device());
@@ -72,20 +71,15 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   p.conf_w = cw.defined() ? cw.data_ptr<float>() : nullptr;
   p.temperature = temp.data_ptr<float>();
   p.seeds = sd.data_ptr<int64_t>();
-  p.threshold = threshold;
   p.out_tokens = out_tokens.data_ptr<int64_t>();
   p.out_conf = out_conf.data_ptr<float>();
-  p.out_lengths = out_lengths.data_ptr<int32_t>();
   p.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   p.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
   p.R = sh.num_reqs;
   p.B = sh.block;
   p.V = sh.vocab;
   p.rank = sh.rank;
-  if (p.R == 0 || p.B == 0) {
-    out_lengths.zero_();
-    return;
-  }
+  if (p.R == 0 || p.B == 0) return;
   // Scratch from the caching allocator (stream-ordered, no host sync; during
   // CUDA-graph capture it comes from the graph's private pool). Its contents on
   // entry do not matter: the first kernel initialises what the second reads.

@@ -692,7 +692,6 @@ struct WalkBlock {
   sptr<int> s_ctl;          // [4] claim, pending, slot, pos
   sptr<long long> s_prev;   // [1] previous token
   sptr<int> s_prev_a;       // [1] its index in the previous pair table, -1: none
-  sptr<int> s_len;          // [2] alive, length
   sptr<int> s_Lkey;         // [B] best kept lower bound (order key)
   sptr<int> s_Dkey;         // [B] largest dropped upper bound (order key)
   sptr<int> s_nF;           // [B] certified set sizes
@@ -904,14 +903,12 @@ struct Walker : WalkBlock {
     if (tid == 0) {
       s_prev[0] = anchor;
       s_prev_a[0] = 0;  // the anchor is the one "previous candidate" of position 0
-      s_len[0] = 1;
-      s_len[1] = 0;
     }
     __syncthreads();
   }
 
   // ---- phase 3, the walk: positions in order, each from the tables, else
-  // from the certified set, else dense; then the draft length.
+  // from the certified set, else dense.
   __device__ __forceinline__ void walk() {
     int64_t i = 0;
     while (true) {
@@ -926,7 +923,6 @@ struct Walker : WalkBlock {
       ++i;
     }
     if (tid == 0) {
-      gst(p.out_lengths + r, static_cast<int32_t>(s_len[1]));
       __threadfence();
       atomicAdd(walkers_done_word(w), 1);
     }
@@ -939,9 +935,6 @@ struct Walker : WalkBlock {
     gst(p.out_tokens + row, static_cast<int64_t>(tok));
     if (p.out_stats != nullptr) gst(p.out_stats + row, stat);
     gst(p.out_conf + row, c);
-    const bool alive = still_confident(s_len[0] != 0, c, p.threshold);
-    s_len[0] = alive ? 1 : 0;
-    s_len[1] = s_len[1] + (alive ? 1 : 0);
     s_prev[0] = tok;
     s_prev_a[0] = a;
   }
@@ -1133,7 +1126,6 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
   DSPARK_SMEM_ARRAY(int, s_ctl, 4);
   DSPARK_SMEM_ARRAY(long long, s_prev, 1);
   DSPARK_SMEM_ARRAY(int, s_prev_a, 1);
-  DSPARK_SMEM_ARRAY(int, s_len, 2);
   DSPARK_SMEM_ARRAY(int, s_Lkey, kMaxPrunedBlock);
   DSPARK_SMEM_ARRAY(int, s_Dkey, kMaxPrunedBlock);
   DSPARK_SMEM_ARRAY(int, s_nF, kMaxPrunedBlock);
@@ -1145,7 +1137,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
   DSPARK_SMEM_ARRAY(int, s_pok, kTablePos * kTableCap);
   DSPARK_DYN_SMEM(dyn);
   const WalkBlock blk{p, w, scr_f, scr_i, scr_d, scr_bs, scr_bj, s_range, s_ctl, s_prev,
-                      s_prev_a, s_len, s_Lkey, s_Dkey, s_nF, s_tidx, s_tbase, s_tg, s_pd,
+                      s_prev_a, s_Lkey, s_Dkey, s_nF, s_tidx, s_tbase, s_tg, s_pd,
                       s_pconf, s_pok,
                       dev::smem_cast<float>(dyn),                 // s_e   [rank]
                       dev::smem_cast<int>(dyn + 4 * p.rank)};     // s_cnt [B * T1]
@@ -1207,15 +1199,6 @@ __global__ void __launch_bounds__(256) pick_kernel(MarkovDraftParams p, Workspac
                         ? confidence(static_cast<double>(gld(p.conf_base + row)) + cd)
                         : 1.0f;
     gst(p.out_conf + row, c);
-    if (i == p.B - 1) {  // every confidence of this request is written by now
-      bool alive = true;
-      int32_t length = 0;
-      for (int64_t k = 0; k < p.B; ++k) {
-        alive = still_confident(alive, gld(p.out_conf + r * p.B + k), p.threshold);
-        length += alive ? 1 : 0;
-      }
-      gst(p.out_lengths + r, length);
-    }
   }
 }
 

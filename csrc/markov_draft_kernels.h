@@ -30,10 +30,8 @@ struct MarkovDraftParams {
   const float* conf_w;       // [rank] or nullptr
   const float* temperature;  // [R]
   const int64_t* seeds;      // [R]
-  double threshold;
   int64_t* out_tokens;       // [R, B]
   float* out_conf;           // [R, B]
-  int32_t* out_lengths;      // [R]
   float* out_logits;         // [R, B, V] or nullptr (nullptr: pruned path)
   int32_t* out_stats;        // [R, B] or nullptr
   int64_t R, B, V, rank;

@@ -7,11 +7,11 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(vllm_dspark, m) {
-  // Sequential Markov bias + token pick + confidence-gated draft length for
-  // one draft block. See vllm_dspark/ops/markov.py for the contract and
-  // vllm_dspark/ops/markov_reference.py for the golden semantics. The length is
-  // the number of positions before the first one whose own confidence is
-  // below `threshold` (threshold <= 0 keeps the block).
+  // Sequential Markov bias + token pick + confidence for one draft block. See
+  // vllm_dspark/ops/markov.py for the contract and
+  // vllm_dspark/ops/markov_reference.py for the golden semantics. How many of
+  // the drafts are verified is not the op's: the serving paths decide it from
+  // the confidences (vllm_dspark/spec_decode/common/verify.py, the budget).
   //   base_logits   [R, B, V] fp32/bf16/fp16
   //   anchor_ids    [R] int64
   //   markov_w1/w2  [V, rank] (same dtype, fp32/bf16/fp16)
@@ -19,19 +19,17 @@ TORCH_LIBRARY(vllm_dspark, m) {
   //   conf_base     [R, B] fp32 or None (no confidence head: confidences are 1)
   //   conf_w_markov [rank] fp32 or None
   //   temperature   [R] fp32 (<= 0: greedy), seeds [R] int64
-  //   out_tokens [R, B] int64, out_conf [R, B] fp32, out_lengths [R] int32
+  //   out_tokens [R, B] int64, out_conf [R, B] fp32
   //   out_logits [R, B, V] fp32 or None (given: dense path, corrected logits)
   //   out_stats  [R, B] int32 or None (exact scores evaluated per row; V = dense)
   //   max_norms  [2] fp32 or None: markov_max_norms(markov_w1, w2_row_norms),
   //              the prev-independent bound the CUDA kernel needs (recomputed
-  //              per call when None; the CPU twin does not use it). Trailing
-  //              and defaulted so that callers written for 15 arguments work.
+  //              per call when None; the CPU twin does not use it).
   m.def(
       "markov_draft(Tensor base_logits, Tensor anchor_ids, Tensor markov_w1, "
       "Tensor markov_w2, Tensor w2_row_norms, Tensor? conf_base, Tensor? conf_w_markov, "
-      "Tensor temperature, Tensor seeds, float threshold, Tensor(a!) out_tokens, "
-      "Tensor(b!) out_conf, Tensor(c!) out_lengths, Tensor(d!)? out_logits, "
-      "Tensor(e!)? out_stats, Tensor? max_norms=None) -> ()");
+      "Tensor temperature, Tensor seeds, Tensor(a!) out_tokens, Tensor(b!) out_conf, "
+      "Tensor(c!)? out_logits, Tensor(d!)? out_stats, Tensor? max_norms=None) -> ()");
 }
 
 // Importing vllm_dspark._C runs the static registrations above; the module

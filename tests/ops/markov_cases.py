@@ -9,7 +9,7 @@ machine that has only Python, torch and nvcc). Everything here imports torch and
 (its pytest id) and a function that raises ``AssertionError`` on a mismatch. The
 checks take ``device``: ``"cuda"`` is what they are for; most also run on
 ``"cpu"`` against the CPU twin (``device_agnostic``), which is how CI exercises
-their logic without a GPU. Tolerances are the CPU tests': tokens and lengths equal
+their logic without a GPU. Tolerances are the CPU tests': tokens equal
 (``torch.equal``), confidences within ``CONF_ATOL``, logits within 1e-6.
 """
 
@@ -126,29 +126,28 @@ def upstream_loop(case):
 
 
 # ------------------------------------------------------------------ op and reference
-def run_compiled(case, temp, thr, *, with_max_norms=True, **kw):
+def run_compiled(case, temp, *, with_max_norms=True, **kw):
     """The compiled op (asserts it really ran, no fallback), with stats."""
     norms = markov_row_norms(case["markov_w2"])
     out = M.markov_draft(case["base_logits"], case["anchor_ids"], case["markov_w1"],
                          case["markov_w2"], norms, case["conf_base"], case["conf_w_markov"],
-                         temp, case["seeds"], thr, allow_fallback=False, return_stats=True,
+                         temp, case["seeds"], allow_fallback=False, return_stats=True,
                          max_norms=markov_max_norms(case["markov_w1"], norms)
                          if with_max_norms else None, **kw)
     assert out.path == "compiled"
     return out
 
 
-def run_reference(case, temp, thr, **kw):
+def run_reference(case, temp, **kw):
     return markov_draft_reference(case["base_logits"], case["anchor_ids"], case["markov_w1"],
                                   case["markov_w2"], case["conf_base"], case["conf_w_markov"],
-                                  temp, case["seeds"], thr, **kw)
+                                  temp, case["seeds"], **kw)
 
 
 def assert_matches(out, ref):
-    tokens, conf, lengths = ref[:3]
+    tokens, conf = ref[:2]
     assert torch.equal(out.tokens, tokens), (out.tokens, tokens)
     torch.testing.assert_close(out.conf, conf, atol=CONF_ATOL, rtol=0)
-    assert torch.equal(out.lengths, lengths), (out.lengths, lengths)
 
 
 # ------------------------------------------------------------------ the CUDA checks
@@ -163,11 +162,11 @@ def check_matches_reference(shape, dtype, mode, dense, device="cuda"):
     R, B, V, rank = shape
     case = to_device(cached_case(R, B, V, rank, dtype, seed=3, peaky=V > 1000), device)
     temp = temperatures(R, mode).to(device)
-    out = run_compiled(case, temp, 0.5, return_logits=dense)
-    ref = run_reference(case, temp, 0.5, return_logits=dense)
+    out = run_compiled(case, temp, return_logits=dense)
+    ref = run_reference(case, temp, return_logits=dense)
     assert_matches(out, ref)
     if dense:
-        torch.testing.assert_close(out.logits, ref[3], atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
         assert bool((out.stats == V).all())
 
 
@@ -176,23 +175,23 @@ def check_matches_upstream_loop_on_clear_winners(R, device="cuda"):
         torch.backends.cuda.matmul.allow_tf32 = False
     case = to_device(make_case(R, 7, K3_VOCAB, 256, torch.float32, seed=4, peaky=True), device)
     temp = torch.zeros(R, device=device)
-    out = run_compiled(case, temp, 0.5)
+    out = run_compiled(case, temp)
     assert torch.equal(out.tokens, upstream_loop(case))
-    assert_matches(out, run_reference(case, temp, 0.5))
+    assert_matches(out, run_reference(case, temp))
 
 
 def check_flat_rows_and_max_norms_on_device(with_max_norms, mode, device="cuda"):
     case = to_device(make_case(4, 7, K3_VOCAB, 256, torch.bfloat16, seed=6), device)
     temp = temperatures(4, mode).to(device)
-    assert_matches(run_compiled(case, temp, 0.5, with_max_norms=with_max_norms),
-                   run_reference(case, temp, 0.5))
+    assert_matches(run_compiled(case, temp, with_max_norms=with_max_norms),
+                   run_reference(case, temp))
 
 
 def check_nan_policy(with_logits, mode, device="cuda"):
     case = to_device(nan_case(torch.float32), device)
     temp = temperatures(4, mode).to(device)
-    out = run_compiled(case, temp, 0.5, return_logits=with_logits)
-    assert_matches(out, run_reference(case, temp, 0.5))
+    out = run_compiled(case, temp, return_logits=with_logits)
+    assert_matches(out, run_reference(case, temp))
     assert out.tokens[0, 1].item() == 0 and out.tokens[1, 0].item() == 3
 
 
@@ -201,13 +200,7 @@ def check_out_of_range_anchor(device="cuda"):
     case["anchor_ids"] = torch.tensor([300, -1, 7, 2**40], device=device)
     for mode in ("greedy", "sampled"):
         temp = temperatures(4, mode).to(device)
-        assert_matches(run_compiled(case, temp, 0.5), run_reference(case, temp, 0.5))
-
-
-def check_length_rule(device="cuda"):
-    case = to_device(constant_conf_case(EXAMPLE_CONF), device)
-    out = run_compiled(case, torch.zeros(1, device=device), 0.8)
-    assert out.lengths.tolist() == [6]
+        assert_matches(run_compiled(case, temp), run_reference(case, temp))
 
 
 def check_rejects_host_tensors(name, device="cuda"):
@@ -224,9 +217,8 @@ def check_rejects_host_tensors(name, device="cuda"):
         torch.ops.vllm_dspark.markov_draft(
             case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
             norms, args["conf_base"], args["conf_w_markov"], torch.zeros(R, device=device),
-            case["seeds"], 0.5, torch.empty(R, B, dtype=torch.int64, device=device),
-            torch.empty(R, B, device=device), torch.empty(R, dtype=torch.int32, device=device),
-            args["out_logits"], args["out_stats"], args["max_norms"])
+            case["seeds"], torch.empty(R, B, dtype=torch.int64, device=device),
+            torch.empty(R, B, device=device), args["out_logits"], args["out_stats"], args["max_norms"])
     except RuntimeError as exc:
         assert re.search(name, str(exc)), f"the error does not name {name}: {exc}"
     else:
@@ -237,7 +229,7 @@ def check_all_equal_base_goes_dense(device="cuda"):
     case = to_device(make_case(2, 3, 20000, 8, seed=7), device)
     case["base_logits"].fill_(0.25)
     case["markov_w2"].zero_()
-    out = run_compiled(case, torch.zeros(2, device=device), 0.0)
+    out = run_compiled(case, torch.zeros(2, device=device))
     assert bool((out.tokens == 0).all()) and bool((out.stats == 20000).all())
 
 
@@ -249,12 +241,12 @@ def check_graph_capture(device="cuda"):
     max_norms = markov_max_norms(case["markov_w1"], norms)
     temp = temperatures(R, "mixed").to(device)
     outs = (torch.empty(R, B, dtype=torch.int64, device=device),
-            torch.empty(R, B, device=device), torch.empty(R, dtype=torch.int32, device=device))
+            torch.empty(R, B, device=device))
 
     def step():
         torch.ops.vllm_dspark.markov_draft(
             case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
-            norms, case["conf_base"], case["conf_w_markov"], temp, case["seeds"], 0.5,
+            norms, case["conf_base"], case["conf_w_markov"], temp, case["seeds"],
             *outs, None, None, max_norms)
 
     s = torch.cuda.Stream()
@@ -268,8 +260,9 @@ def check_graph_capture(device="cuda"):
     case["base_logits"].copy_(torch.randn_like(case["base_logits"]))
     g.replay()
     torch.cuda.synchronize()
-    ref = run_reference(case, temp, 0.5)
-    assert torch.equal(outs[0], ref[0]) and torch.equal(outs[2], ref[2])
+    ref = run_reference(case, temp)
+    assert torch.equal(outs[0], ref[0])
+    torch.testing.assert_close(outs[1], ref[1], atol=CONF_ATOL, rtol=0)
 
 
 class Check(NamedTuple):
@@ -305,7 +298,6 @@ def cuda_checks() -> list[Check]:
         *(Check(f"nan_policy-{'dense' if wl else 'pruned'}-{mode}", check_nan_policy,
                 dict(with_logits=wl, mode=mode)) for wl in (False, True) for mode in ("greedy", "sampled")),
         Check("out_of_range_anchor", check_out_of_range_anchor, {}),
-        Check("length_rule", check_length_rule, {}),
         Check("all_equal_base_goes_dense", check_all_equal_base_goes_dense, {}),
         *(Check(f"rejects_host_tensor-{n}", check_rejects_host_tensors, dict(name=n),
                 device_agnostic=False) for n in HOST_TENSOR_ARGS),

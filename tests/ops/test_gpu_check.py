@@ -144,7 +144,7 @@ def _fake_report(row: dict) -> dict:
         "tests": {"status": "passed", "counts": {"passed": 1}, "cases": [{"name": "x", "status": "passed"}]},
         "bench": {"status": "passed", "rows": [row],
                   "config": {"vocab": 163840, "rank": 256, "block": 7, "dtype": "bf16", "mode": "greedy",
-                             "threshold": 0.5, "iters": 2}},
+                             "iters": 2}},
     }
 
 

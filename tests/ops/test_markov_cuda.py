@@ -5,7 +5,7 @@ Runs only with a CUDA device and a CUDA build of ``vllm_dspark._C``
 ``tests/ops/markov_cases.py`` (``CUDA_CHECKS``), which ``scripts/gpu_check.py``
 runs without pytest on a GPU machine: the kernel against the reference over
 batch 1 to 64, vocab 111 to 163840, fp32/bf16/fp16, greedy/sampled/mixed,
-pruned and dense (tokens and lengths equal, confidences within 1e-6); against an
+pruned and dense (tokens equal, confidences within 1e-6); against an
 upstream-style dense loop (per position: gather, matmul, add, argmax) on rows
 with clear winners; the policies (NaN, out-of-range anchors, the length rule);
 host tensors being rejected; and CUDA-graph capture of the raw op. The same

@@ -1,8 +1,8 @@
 """The compiled Markov draft op (CPU twin) against the PyTorch reference.
 
 Tokens compare with ``torch.equal``; confidences within CONF_ATOL (both sides
-take an fp64 sigmoid and round to fp32, so they differ by at most an ulp);
-lengths with ``torch.equal``. Every op call goes through ``run_op``, which
+take an fp64 sigmoid and round to fp32, so they differ by at most an ulp).
+Every op call goes through ``run_op``, which
 asserts that the compiled kernel (not the Python fallback) ran.
 """
 
@@ -41,11 +41,11 @@ def test_compiled_op_is_loaded():
     assert torch._C._dispatch_has_kernel_for_dispatch_key("vllm_dspark::markov_draft", "CPU")
 
 
-def run_op(case, temperature, threshold, **kw):
+def run_op(case, temperature, **kw):
     out = M.markov_draft(
         case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
         markov_row_norms(case["markov_w2"]), case["conf_base"], case["conf_w_markov"],
-        temperature, case["seeds"], threshold, allow_fallback=False, return_stats=True, **kw)
+        temperature, case["seeds"], allow_fallback=False, return_stats=True, **kw)
     assert out.path == "compiled"
     return out
 
@@ -62,15 +62,11 @@ SMALL_SHAPES = [  # (R, B, V, rank)
 @pytest.mark.parametrize("shape", SMALL_SHAPES, ids=lambda s: "R{}-B{}-V{}-r{}".format(*s))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "mixed"])
-@pytest.mark.parametrize("threshold", [0.0, 0.5, 0.99])
-def test_op_matches_reference_small(shape, dtype, mode, threshold):
+def test_op_matches_reference_small(shape, dtype, mode):
     R, B, V, rank = shape
     case = make_case(R, B, V, rank, dtype, seed=hash((shape, mode)) % 1000)
     temp = temperatures(R, mode)
-    out = run_op(case, temp, threshold)
-    assert_matches(out, run_reference(case, temp, threshold))
-    if threshold == 0.0:
-        assert bool((out.lengths == B).all())
+    assert_matches(run_op(case, temp), run_reference(case, temp))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -80,8 +76,8 @@ def test_op_matches_reference_k3_vocab(dtype, mode, peaky):
     R = 2 if mode == "greedy" else 1  # the fp64 reference is slow at this size
     case = make_case(R, 7, K3_VOCAB, 256, dtype, seed=11, peaky=peaky)
     temp = temperatures(R, mode)
-    out = run_op(case, temp, 0.5)
-    assert_matches(out, run_reference(case, temp, 0.5))
+    out = run_op(case, temp)
+    assert_matches(out, run_reference(case, temp))
     # The pruning really prunes on these regimes.
     assert int(out.stats.max()) < K3_VOCAB // 100, out.stats
 
@@ -95,31 +91,20 @@ def test_op_other_dtype_pairs(base_dtype, w_dtype):
     case["markov_w1"] = case["markov_w1"].to(w_dtype)
     case["markov_w2"] = case["markov_w2"].to(w_dtype)
     temp = temperatures(3, "mixed")
-    assert_matches(run_op(case, temp, 0.5), run_reference(case, temp, 0.5))
+    assert_matches(run_op(case, temp), run_reference(case, temp))
 
 
 def test_op_matches_reference_k3_vocab_rank1():
     case = make_case(3, 7, K3_VOCAB, 1, seed=5)
     temp = temperatures(3, "mixed")
-    assert_matches(run_op(case, temp, 0.99), run_reference(case, temp, 0.99))
-
-
-def test_empty_draft_is_allowed():
-    case = make_case(3, 7, 111, 8, seed=1)
-    case["conf_base"] = torch.full((3, 7), -4.0)  # conf ~ 0.02 < threshold
-    case["conf_base"][1] = 6.0
-    out = run_op(case, torch.zeros(3), 0.5)
-    assert_matches(out, run_reference(case, torch.zeros(3), 0.5))
-    assert out.lengths.tolist()[0] == 0 and out.lengths.tolist()[2] == 0
-    assert out.lengths.tolist()[1] > 0
+    assert_matches(run_op(case, temp), run_reference(case, temp))
 
 
 def test_no_confidence_head_fills_ones():
     case = make_case(2, 7, 111, 8, seed=2, conf=False)
-    out = run_op(case, torch.zeros(2), 0.99)
+    out = run_op(case, torch.zeros(2))
     assert torch.equal(out.conf, torch.ones(2, 7))
-    assert out.lengths.tolist() == [7, 7]
-    assert_matches(out, run_reference(case, torch.zeros(2), 0.99))
+    assert_matches(out, run_reference(case, torch.zeros(2)))
 
 
 # --- adversarial pruning cases ---------------------------------------------------
@@ -129,7 +114,7 @@ def test_markov_bias_outweighs_base(mode):
     # Bias std ~ 16 x the base std: the bound is loose, pruning must stay exact.
     case = make_case(3, 7, 3000, 64, seed=3, base_std=0.05, w_std=0.5)
     temp = temperatures(3, mode)
-    assert_matches(run_op(case, temp, 0.5), run_reference(case, temp, 0.5))
+    assert_matches(run_op(case, temp), run_reference(case, temp))
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampled"])
@@ -149,7 +134,7 @@ def test_bias_at_the_cauchy_schwarz_bound(mode):
     # 777 wins by ~2 ulp, and only because its bias reaches the bound exactly.
     base[:, :, 777] = 5.0 - 2.0 * v.norm() + 1e-6
     temp = temperatures(R, mode)
-    assert_matches(run_op(case, temp, 0.0), run_reference(case, temp, 0.0))
+    assert_matches(run_op(case, temp), run_reference(case, temp))
 
 
 def test_ties_go_to_the_lowest_token():
@@ -159,8 +144,8 @@ def test_ties_go_to_the_lowest_token():
     for j in (1500, 40, 900):  # identical base and identical w2 rows
         base[:, :, j] = 10.0
         w2[j] = w2[40]
-    out = run_op(case, torch.zeros(2), 0.0)
-    assert_matches(out, run_reference(case, torch.zeros(2), 0.0))
+    out = run_op(case, torch.zeros(2))
+    assert_matches(out, run_reference(case, torch.zeros(2)))
     assert bool((out.tokens == 40).all())
 
 
@@ -171,8 +156,8 @@ def test_all_equal_base_forces_dense_fallback(mode):
     case["base_logits"].fill_(0.25)
     case["markov_w2"].zero_()  # every token ties exactly
     temp = temperatures(2, mode)
-    out = run_op(case, temp, 0.0)
-    assert_matches(out, run_reference(case, temp, 0.0))
+    out = run_op(case, temp)
+    assert_matches(out, run_reference(case, temp))
     if mode == "greedy":
         assert bool((out.tokens == 0).all())
         assert bool((out.stats == V).all()), out.stats  # every row went dense
@@ -189,8 +174,8 @@ def test_minus_inf_entries(mode, dtype):
     base[0, 2] = float("-inf")  # a whole row masked: token 0 by the tie rule
     base[1, :, :4000] = float("-inf")  # a masked prefix longer than the candidate cap
     temp = temperatures(3, mode)
-    out = run_op(case, temp, 0.5)
-    assert_matches(out, run_reference(case, temp, 0.5))
+    out = run_op(case, temp)
+    assert_matches(out, run_reference(case, temp))
     assert out.tokens[0, 2].item() == 0
 
 
@@ -198,10 +183,10 @@ def test_minus_inf_entries(mode, dtype):
 def test_out_logits_takes_the_dense_path(mode):
     case = make_case(3, 7, 777, 32, torch.bfloat16, seed=10)
     temp = temperatures(3, mode)
-    out = run_op(case, temp, 0.5, return_logits=True)
-    ref = run_reference(case, temp, 0.5, return_logits=True)
+    out = run_op(case, temp, return_logits=True)
+    ref = run_reference(case, temp, return_logits=True)
     assert_matches(out, ref)
-    torch.testing.assert_close(out.logits, ref[3], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
     assert bool((out.stats == 777).all())
 
 
@@ -213,21 +198,20 @@ def test_out_logits_with_all_equal_logits(mode):
     case["base_logits"].fill_(-1.5)
     case["markov_w2"].zero_()
     temp = temperatures(2, mode)
-    out = run_op(case, temp, 0.0, return_logits=True)
-    ref = run_reference(case, temp, 0.0, return_logits=True)
+    out = run_op(case, temp, return_logits=True)
+    ref = run_reference(case, temp, return_logits=True)
     assert_matches(out, ref)
-    assert torch.equal(out.logits, ref[3])
+    assert torch.equal(out.logits, ref[2])
 
 
 # --- the op as a torch.library op -------------------------------------------------
 
-def _op_args(case, temperature, threshold, with_logits):
+def _op_args(case, temperature, with_logits):
     R, B, V = case["base_logits"].shape
     return (case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
             markov_row_norms(case["markov_w2"]), case["conf_base"], case["conf_w_markov"],
-            temperature, case["seeds"], threshold,
+            temperature, case["seeds"],
             torch.empty(R, B, dtype=torch.int64), torch.empty(R, B),
-            torch.empty(R, dtype=torch.int32),
             torch.empty(R, B, V) if with_logits else None,
             torch.empty(R, B, dtype=torch.int32))
 
@@ -236,7 +220,7 @@ def _op_args(case, temperature, threshold, with_logits):
 def test_opcheck(with_logits):
     assert M.is_compiled_available("cpu")
     case = make_case(3, 4, 111, 8, seed=12)
-    args = _op_args(case, temperatures(3, "mixed"), 0.5, with_logits)
+    args = _op_args(case, temperatures(3, "mixed"), with_logits)
     torch.library.opcheck(torch.ops.vllm_dspark.markov_draft.default, args)
 
 
@@ -247,8 +231,8 @@ def test_out_of_range_anchor_has_no_markov_embedding(mode):
     case = make_case(4, 5, 300, 8, seed=13)
     case["anchor_ids"] = torch.tensor([300, -1, 7, 2**40])
     temp = temperatures(4, mode)
-    out = run_op(case, temp, 0.5)
-    ref = run_reference(case, temp, 0.5)
+    out = run_op(case, temp)
+    ref = run_reference(case, temp)
     assert_matches(out, ref)
     # Position 0 of an invalid anchor: bias 0 and conf = sigmoid(conf_base).
     expect0 = torch.sigmoid(case["conf_base"][[0, 1, 3], 0].double()).float()
@@ -258,28 +242,14 @@ def test_out_of_range_anchor_has_no_markov_embedding(mode):
         assert torch.equal(out.tokens[[0, 1, 3], 0], base0.argmax(-1))
 
 
-# --- draft length rule (DSpark's _confident_prefix_length) --------------------
+# --- confidences of a known head -------------------------------------------------
 
 @pytest.mark.parametrize("impl", ["reference", "compiled"])
-def test_length_stops_before_first_low_confidence(impl):
+def test_constant_confidences_come_out_exact(impl):
     case = constant_conf_case(EXAMPLE_CONF)
     run = run_reference if impl == "reference" else run_op
-    out = run(case, torch.zeros(1), 0.8)
-    conf, lengths = out[1], out[2]
+    conf = run(case, torch.zeros(1))[1]
     torch.testing.assert_close(conf[0], torch.tensor(EXAMPLE_CONF), atol=1e-6, rtol=0)
-    assert lengths.tolist() == [6]  # the running product rule gave 2
-    assert run(case, torch.zeros(1), 0.0)[2].tolist() == [7]
-    assert run(case, torch.zeros(1), -1.0)[2].tolist() == [7]
-    assert run(case, torch.zeros(1), 0.96)[2].tolist() == [0]
-    assert run(case, torch.zeros(1), 0.85)[2].tolist() == [4]
-    # The fp32 confidence is compared: fp32(0.9) = 0.89999998 < 0.9.
-    assert run(case, torch.zeros(1), 0.9)[2].tolist() == [1]
-
-
-def test_length_ignores_later_recoveries():
-    case = constant_conf_case([0.9, 0.3, 0.99, 0.99])
-    for run in (run_reference, run_op):
-        assert run(case, torch.zeros(1), 0.5)[2].tolist() == [1]
 
 
 # --- NaN policy: NaN ranks below -inf; a row of only NaN proposes token 0 -------
@@ -290,8 +260,8 @@ def test_length_ignores_later_recoveries():
 def test_nan_policy(dtype, mode, with_logits):
     case = nan_case(dtype)
     temp = temperatures(4, mode)
-    ref = run_reference(case, temp, 0.5)
-    out = run_op(case, temp, 0.5, return_logits=with_logits)
+    ref = run_reference(case, temp)
+    out = run_op(case, temp, return_logits=with_logits)
     assert_matches(out, ref)
     assert out.tokens[0, 1].item() == 0
     assert out.tokens[1, 0].item() == 3

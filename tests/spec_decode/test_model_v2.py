@@ -114,7 +114,7 @@ def reference(spec, weights, logits_fn, head_hidden, num_real, temperature=None,
     base = logits_fn(hid).view(num_real, N, -1)
     conf_base = weights.confidence_base(hid).view(num_real, N)
     return markov_draft_reference(base, spec.anchors(num_real), weights.markov_w1, weights.markov_w2,
-                                  conf_base, weights.conf_w_markov, temperature, seeds, 0.0,
+                                  conf_base, weights.conf_w_markov, temperature, seeds,
                                   return_logits=True)
 
 
@@ -131,7 +131,7 @@ def test_greedy_matches_reference_and_upstream_loop(vocab, padded):
     weights, logits_fn, proj, bias = make_model(vocab)
     head_hidden = run(spec, weights, logits_fn)
     R = len(states)
-    tok, conf, _, _ = reference(spec, weights, logits_fn, head_hidden, R)
+    tok, conf, _ = reference(spec, weights, logits_fn, head_hidden, R)
     # Upstream drafts greedily when draft_logits is None, whatever the requests' temperatures.
     assert torch.equal(spec.draft_tokens[:R], tok)
     torch.testing.assert_close(spec.draft_token_confidence_probs[:R], conf, atol=1e-6, rtol=0)
@@ -153,7 +153,7 @@ def test_bf16_weights_and_logits_match_reference():
     spec = FakeSpeculator(vocab=111, states=[1, 2])
     weights, logits_fn, _, _ = make_model(111, dtype=torch.bfloat16)
     head_hidden = run(spec, weights, logits_fn)
-    tok, conf, _, _ = reference(spec, weights, logits_fn, head_hidden, 2)
+    tok, conf, _ = reference(spec, weights, logits_fn, head_hidden, 2)
     assert torch.equal(spec.draft_tokens[:2], tok)
 
 
@@ -165,7 +165,7 @@ def test_probabilistic_fp32_sampling_seeds_and_logits_cache():
     st = torch.tensor(states)
     temp = spec.temperature[st]
     seeds = spec.seeds[st] ^ (spec.anchor_pos << 32)
-    tok, conf, _, logits = reference(spec, weights, logits_fn, head_hidden, 3, temp, seeds)
+    tok, conf, logits = reference(spec, weights, logits_fn, head_hidden, 3, temp, seeds)
     assert torch.equal(spec.draft_tokens[:3], tok)
     # Cache: pre-temperature corrected logits at each request's state slot; other slots untouched
     # (the padded row, state -1, must not land anywhere).
@@ -215,7 +215,7 @@ def test_confidences_untouched_without_confidence_head_and_estimator_sees_correc
     weights, logits_fn, _, _ = make_model(111)
     head_hidden = run(spec, weights, logits_fn)
     assert bool((spec.draft_token_confidence_probs == -7.0).all())  # the estimator's buffer
-    tok, _, _, logits = reference(spec, weights, logits_fn, head_hidden, 2)
+    tok, _, logits = reference(spec, weights, logits_fn, head_hidden, 2)
     assert torch.equal(spec.draft_tokens[:2], tok)
     calls = spec.acceptance_estimator.calls
     assert [c[2] for c in calls] == list(range(N))

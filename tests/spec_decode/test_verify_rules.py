@@ -20,6 +20,26 @@ def test_threshold_rule_edges(t, want):
     assert threshold_length(EXAMPLE, t) == want
 
 
+@pytest.mark.parametrize("conf, t", [
+    (EXAMPLE, 0.8), (EXAMPLE, 0.0), (EXAMPLE, -1.0), (EXAMPLE, 0.96), (EXAMPLE, 0.85),
+    (EXAMPLE, 0.9),  # the fp32 confidence is compared: fp32(0.9) = 0.89999998 < 0.9
+    ([0.9, 0.3, 0.99, 0.99], 0.5),  # a later recovery does not extend the draft
+    ([0.02, 0.9, 0.9], 0.5),  # an empty draft is allowed
+    ([float("nan"), 0.9, 0.2], 0.5),  # NaN compares false: it never stops a draft
+])
+def test_serving_rule_equals_the_golden_reference(conf, t):
+    """verify.threshold_length (what serving cuts with) and the reference drafter's
+    confident_prefix_length are two writings of DeepSpec's rule; they must agree."""
+    import torch
+
+    from vllm_dspark.model.reference import confident_prefix_length
+
+    c32 = torch.tensor([conf], dtype=torch.float32)
+    want = int(confident_prefix_length(c32, t)[0])
+    assert threshold_length(c32[0].double().tolist(), t) == want
+    assert rule_lengths(c32.double().numpy(), [len(conf)], "threshold", t) == [want]
+
+
 def test_rule_lengths_apply_caps():
     conf = np.array([EXAMPLE, EXAMPLE])
     assert rule_lengths(conf, [7, 3], "threshold", 0.8) == [6, 3]

@@ -274,10 +274,25 @@ class DSparkDraftModel(nn.Module):
         mw = self.markov_weights()
         if not use_markov:
             mw = mw.without_bias()
-        tokens, conf, lengths = markov_draft_reference(
+        tokens, conf = markov_draft_reference(
             base, anchor_ids, mw.markov_w1, mw.markov_w2, mw.confidence_base(hidden), mw.conf_w_markov,
-            temperature, seeds, threshold)
+            temperature, seeds)
+        lengths = confident_prefix_length(conf, threshold)
         return DraftOutput(tokens=tokens, confidence=conf, lengths=lengths, base_logits=base, hidden=hidden)
+
+
+def confident_prefix_length(conf: torch.Tensor, threshold: float) -> torch.Tensor:
+    """DSpark's draft length (DeepSpec ``_confident_prefix_length``), [R, B] fp32 -> [R] int32.
+
+    The positions before the FIRST one whose own confidence is below ``threshold``
+    (fp32 confidences compared in fp64; NaN compares false and never stops a draft);
+    ``threshold <= 0`` keeps the block. [.95, .9, .9, .85, .8, .8, .7] at 0.8 gives 6.
+    Serving applies the same rule in ``spec_decode/common/verify.py``; this copy is the
+    golden reference's own, so the tests check one against the other.
+    """
+    below = conf.to(torch.float64) < threshold  # [R, B]
+    alive = torch.cumprod((~below).to(torch.int32), dim=1)
+    return alive.sum(dim=1).to(torch.int32)
 
 
 def count_parameters(config: DSparkConfig) -> int:

@@ -12,7 +12,9 @@ What it removes
     token's Gumbel noise bounds when sampling), computes exact dot products only
     for the few tokens whose bound reaches the best exact score, and computes a
     row densely only when too many survive. It also computes the confidence
-    head's Markov part and the draft length in the same pass.
+    head's Markov part in the same pass. How many drafts are verified is the
+    callers' decision, from the confidences (``spec_decode/common/verify.py``,
+    the budget), not the op's.
 
     CPU twin (``csrc/markov_draft_cpu.cpp``): OpenMP over requests, one streaming
     pass per row with the exact ||e|| of the row's previous token.
@@ -43,17 +45,11 @@ Numerical contract
     fp32/bf16/fp16; the only way to differ is an fp64 summation-order or libm
     difference that straddles an fp32 rounding boundary of the winning score AND
     flips a near-exact tie, which the tests have never produced. Confidences
-    agree to 1e-6 (fp64 sigmoid, rounded to fp32); draft lengths are equal.
+    agree to 1e-6 (fp64 sigmoid, rounded to fp32).
     ``w2_row_norms`` must come from :func:`markov_row_norms` and ``max_norms``
     from :func:`markov_max_norms` of the same weights (a stale w2 norm breaks the
     bound; a w1 maximum below a real row's norm is detected and only costs a
     dense row).
-
-Draft length
-    DSpark's ``_confident_prefix_length``: the number of positions before the
-    first position whose own confidence is below ``threshold`` (fp32 confidence
-    compared in fp64); the whole block when none is, and always when
-    ``threshold <= 0``. Confidences [.95, .9, .9, .85, .8, .8, .7] at 0.8 give 6.
 
 NaN policy
     A NaN score ranks below every other score, ``-inf`` included: NaN is never
@@ -101,11 +97,10 @@ Checked by
     ``tests/ops/test_markov_op.py``: the compiled CPU op is loaded (no silent
     fallback), ``torch.library.opcheck``, op vs reference over batch 1 and > 1,
     vocab 111 and 163840, rank 1 and 256, block 1 and 7, bf16/fp32/fp16,
-    greedy/sampled/mixed, thresholds 0/0.5/0.99, adversarial pruning cases (bias
-    outweighing the base, bias at the bound, ties, all-equal base -> dense
-    fallback seen in ``stats``, -inf entries), the length rule (the example
-    above, on the reference and the op), the NaN policy (both paths) and
-    out-of-range anchors. ``tests/ops/test_simt_emulation.py`` runs the REAL CUDA
+    greedy/sampled/mixed, adversarial pruning cases (bias outweighing the base,
+    bias at the bound, ties, all-equal base -> dense fallback seen in
+    ``stats``, -inf entries), the NaN policy (both paths) and out-of-range
+    anchors. ``tests/ops/test_simt_emulation.py`` runs the REAL CUDA
     source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs the full
     grid, K3 sizes and fp16 included) against the reference, with race,
     divergence and bounds checks, and shows that an injected race, a wrong index
@@ -154,7 +149,6 @@ _logged_reasons: set[str] = set()
 class MarkovDraftOutput(NamedTuple):
     tokens: torch.Tensor                # [R, B] int64
     conf: torch.Tensor                  # [R, B] fp32
-    lengths: torch.Tensor               # [R] int32
     logits: torch.Tensor | None = None  # [R, B, V] fp32, when requested
     stats: torch.Tensor | None = None   # [R, B] int32 exact scores per row (compiled only)
     path: str = "compiled"              # which implementation ran: "compiled" or "reference"
@@ -178,8 +172,8 @@ def _load() -> bool:
 def _register_fake() -> None:
     @torch.library.register_fake(_OP_NAME)
     def _markov_draft_fake(base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms,
-                           conf_base, conf_w_markov, temperature, seeds, threshold,
-                           out_tokens, out_conf, out_lengths, out_logits, out_stats,
+                           conf_base, conf_w_markov, temperature, seeds,
+                           out_tokens, out_conf, out_logits, out_stats,
                            max_norms=None):
         # Mutates its outputs in place; nothing to allocate or return.
         return None
@@ -231,14 +225,13 @@ def markov_draft(
     conf_w_markov: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
-    threshold: float = 0.0,
     *,
     max_norms: torch.Tensor | None = None,
     return_logits: bool = False,
     return_stats: bool = False,
     allow_fallback: bool = True,
 ) -> MarkovDraftOutput:
-    """Draft one block per request with the Markov head and confidence early stop.
+    """Draft one block per request with the Markov head; the confidence of every position.
 
     Parameters
     ----------
@@ -260,9 +253,6 @@ def markov_draft(
         Per-request temperature; ``<= 0`` (or None) is greedy.
     seeds : [R] int64, optional
         Per-request seed of the Gumbel noise (mix the decoding step into it).
-    threshold : float
-        The draft length is the number of positions before the first one whose
-        own confidence is below ``threshold``; ``<= 0`` keeps the block.
     max_norms : [2] fp32, optional
         ``markov_max_norms(markov_w1, w2_row_norms)``, once per model. Only the
         CUDA kernel uses it (recomputed per call when omitted: a pass over
@@ -277,7 +267,7 @@ def markov_draft(
 
     Returns
     -------
-    MarkovDraftOutput(tokens [R, B] int64, conf [R, B] fp32, lengths [R] int32,
+    MarkovDraftOutput(tokens [R, B] int64, conf [R, B] fp32,
     logits [R, B, V] fp32 | None, stats [R, B] int32 | None, path "compiled" | "reference")
     """
     R, B, V = base_logits.shape
@@ -293,7 +283,6 @@ def markov_draft(
     if reason is None:
         tokens = torch.empty(R, B, dtype=torch.int64, device=dev)
         conf = torch.empty(R, B, dtype=torch.float32, device=dev)
-        lengths = torch.empty(R, dtype=torch.int32, device=dev)
         logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
                   if return_logits else None)
         stats = torch.empty(R, B, dtype=torch.int32, device=dev) if return_stats else None
@@ -302,15 +291,15 @@ def markov_draft(
             w2_row_norms.to(torch.float32),
             None if conf_base is None else conf_base.to(torch.float32),
             None if conf_w_markov is None else conf_w_markov.to(torch.float32),
-            temperature.to(torch.float32), seeds.to(torch.int64), float(threshold),
-            tokens, conf, lengths, logits, stats,
+            temperature.to(torch.float32), seeds.to(torch.int64),
+            tokens, conf, logits, stats,
             None if max_norms is None else max_norms.to(torch.float32))
-        return MarkovDraftOutput(tokens, conf, lengths, logits, stats, "compiled")
+        return MarkovDraftOutput(tokens, conf, logits, stats, "compiled")
 
     if not allow_fallback:
         raise RuntimeError(f"markov_draft: compiled op unavailable: {reason}")
     _log_once(reason)
     out = markov_draft_reference(
         base_logits, anchor_ids, markov_w1, markov_w2, conf_base, conf_w_markov,
-        temperature, seeds, threshold, return_logits=return_logits)
-    return MarkovDraftOutput(out[0], out[1], out[2], out[3] if return_logits else None, None, "reference")
+        temperature, seeds, return_logits=return_logits)
+    return MarkovDraftOutput(out[0], out[1], out[2] if return_logits else None, None, "reference")

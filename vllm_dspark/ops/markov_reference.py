@@ -29,13 +29,9 @@ Semantics (per request ``r``, left to right over the block's positions)::
   :func:`gumbel_noise`; it is identical on every device and in the kernels.
 * The confidence of position ``i`` uses the embedding of the PREVIOUS token
   (the anchor for ``i == 0``). Without a confidence head every confidence is 1.
-* Draft length (DSpark's ``_confident_prefix_length``): the number of positions
-  before the FIRST position whose own confidence is below ``threshold``
-  (``conf_i < threshold``, fp32 confidence compared in fp64); every position
-  when none is. Confidences [.95, .9, .9, .85, .8, .8, .7] at threshold 0.8
-  give 6. A draft CAN be empty (length 0 when ``conf_0 < threshold``);
-  ``threshold <= 0`` always keeps the whole block. Tokens and confidences are
-  still produced for every position.
+* How many drafts are verified is not this stage's: the callers decide it
+  from the confidences (``spec_decode/common/verify.py``, the budget; the
+  reference drafter applies DSpark's threshold rule itself).
 * ``-inf`` base logits are allowed (a row of only ``-inf`` proposes token 0).
 * Anchor policy: an anchor outside ``[0, vocab)`` has no Markov embedding:
   position 0 uses ``e = 0`` (no bias, and the confidence's Markov part is 0);
@@ -196,7 +192,6 @@ def markov_draft_reference(
     conf_w_markov: torch.Tensor | None = None,
     temperature: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
-    threshold: float = 0.0,
     return_logits: bool = False,
 ):
     """The obvious sequential loop (see the module docstring for the semantics).
@@ -211,14 +206,12 @@ def markov_draft_reference(
     conf_w_markov : [rank] fp32 or None, Markov part of the confidence weight.
     temperature : [R] fp32 or None (greedy); ``<= 0`` means greedy for that request.
     seeds : [R] int64 or None (zeros).
-    threshold : the draft stops before the first position whose confidence is
-        below it (``<= 0`` keeps the whole block).
     return_logits : also return the corrected fp32 logits [R, B, V]
         (base + bias, before temperature and noise).
 
     Returns
     -------
-    tokens : [R, B] int64, conf : [R, B] fp32, lengths : [R] int32
+    tokens : [R, B] int64, conf : [R, B] fp32
     (and logits : [R, B, V] fp32 when ``return_logits``).
     """
     R, B, V = base_logits.shape
@@ -235,8 +228,6 @@ def markov_draft_reference(
     conf = torch.ones(R, B, dtype=torch.float32, device=dev)
     all_logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
                   if return_logits else None)
-    alive = torch.ones(R, dtype=torch.bool, device=dev)
-    lengths = torch.zeros(R, dtype=torch.int32, device=dev)
 
     bias_of = _Bias(markov_w2)
     prev = anchor_ids.to(torch.int64)
@@ -259,12 +250,8 @@ def markov_draft_reference(
             if conf_w_markov is not None:
                 z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
             conf[:, i] = torch.sigmoid(z).to(torch.float32)
-        # DSpark's rule: stop before the first position below the threshold
-        # (NaN compares false, so it never stops a draft).
-        alive = alive & ~(conf[:, i].to(torch.float64) < threshold)
-        lengths += alive.to(torch.int32)
         prev = tok
 
     if return_logits:
-        return tokens, conf, lengths, all_logits
-    return tokens, conf, lengths
+        return tokens, conf, all_logits
+    return tokens, conf

@@ -87,7 +87,6 @@ int main(int argc, char** argv) {
   p.rank = rank;
   p.base_dtype = static_cast<dspark::DType>(bdt);
   p.w_dtype = static_cast<dspark::DType>(wdt);
-  p.threshold = meta["threshold"];
   auto* base = load("base", R * B * V * dsize(bdt), true);
   auto* anchor = load("anchor", R * 8, true);
   auto* w1 = load("w1", V * rank * dsize(wdt), true);
@@ -100,7 +99,6 @@ int main(int argc, char** argv) {
   auto* seeds = load("seeds", R * 8, true);
   auto* tokens = output("tokens", R * B * 8);
   auto* conf = output("conf", R * B * 4);
-  auto* lengths = output("lengths", R * 4);
   auto* logits = meta["logits"] != 0 ? output("logits", R * B * V * 4) : nullptr;
   auto* stats = meta["stats"] != 0 ? output("stats", R * B * 4) : nullptr;
   p.base = base->data();
@@ -115,7 +113,6 @@ int main(int argc, char** argv) {
   p.seeds = reinterpret_cast<const int64_t*>(seeds->data());
   p.out_tokens = reinterpret_cast<int64_t*>(tokens->data());
   p.out_conf = reinterpret_cast<float*>(conf->data());
-  p.out_lengths = reinterpret_cast<int32_t*>(lengths->data());
   p.out_logits = logits ? reinterpret_cast<float*>(logits->data()) : nullptr;
   p.out_stats = stats ? reinterpret_cast<int32_t*>(stats->data()) : nullptr;
 
@@ -131,7 +128,6 @@ int main(int argc, char** argv) {
   }
   save("tokens", tokens);
   save("conf", conf);
-  save("lengths", lengths);
   save("logits", logits);
   save("stats", stats);
   std::printf("{\"workspace_bytes\": %zu, \"launches\": ", ws_bytes);

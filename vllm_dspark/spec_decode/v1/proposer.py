@@ -400,7 +400,7 @@ class DSparkProposer(DFlashProposer):
             idx = greedy.nonzero().flatten()
             out = markov_draft(base[idx], anchors[idx], mw.markov_w1, mw.markov_w2,
                                mw.w2_row_norms, None if conf_base is None else conf_base[idx],
-                               mw.conf_w_markov, threshold=0.0, max_norms=mw.max_norms)
+                               mw.conf_w_markov, max_norms=mw.max_norms)
             tokens[idx], conf[idx] = out.tokens, out.conf
             self.last_markov_path = out.path
         if bool(is_sampled.any()):

@@ -70,8 +70,9 @@ When the op declines (upstream's loop runs, reason logged once)
 Early stop
     On this path the confidence-gated early stop is upstream's adaptive
     verification (``enable_adaptive_verification``), fed by the confidences
-    written here; the op runs with threshold 0 and its draft lengths are not
-    used. ``VLLM_DSPARK_CONFIDENCE_THRESHOLD`` applies to the V1 path only.
+    written here (the op computes confidences, not lengths). The settings of
+    ``serving/settings_table.py`` apply to the V1 path only; set in the
+    environment, they are named in one warning (``settings.not_applied_on_v2``).
 
 Checked by ``tests/spec_decode/test_model_v2.py`` on CPU (the pure functions
 below, against ``markov_draft_reference`` and a restatement of upstream's
@@ -257,11 +258,9 @@ def run_markov_stage(
     out_logits = (torch.empty(num_reqs, n, V, dtype=torch.float32, device=dev)
                   if cache is not None or estimator is not None else None)
     out_tokens = speculator.draft_tokens[:num_reqs]  # [R, N] int64
-    out_lengths = torch.empty(num_reqs, dtype=torch.int32, device=dev)
 
     op(base, anchors, weights.markov_w1, weights.markov_w2, weights.w2_row_norms,
-       conf_base, conf_w_markov, temperature, seeds, 0.0,
-       out_tokens, out_conf, out_lengths, out_logits, None, weights.max_norms)
+       conf_base, conf_w_markov, temperature, seeds, out_tokens, out_conf, out_logits, None, weights.max_norms)
 
     if out_logits is not None:
         idx_map = speculator.sample_idx_mapping[:num_sample].view(num_reqs, n)
