@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -283,6 +282,7 @@ def machine_description() -> str:
 def main(argv=None) -> int:
     from vllm_dspark.cache import cache_dir
     from vllm_dspark.tools.default_pair import default_paths
+    from vllm_dspark.tools.training.stages import parse_stages, run_stages
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=cache_dir() / "train" / "smollm2",
@@ -320,32 +320,13 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = set(stages) - set(STAGES)
-    if unknown:
-        ap.error(f"unknown stages {sorted(unknown)}; expected a subset of {STAGES}")
-    tpath = work / "timings.json"
-    timings = json.loads(tpath.read_text()) if tpath.exists() else {}
-    for stage in STAGES:
-        if stage not in stages:
-            continue
-        # vLLM's engine start-up (the generate stage) lowers torch's thread count for serving.
-        torch.set_num_threads(args.threads)
-        t0 = time.time()
-        r0 = resource.getrusage(resource.RUSAGE_SELF)
-        c0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        log(f"=== stage {stage}")
-        globals()[f"stage_{stage}"](args, work)
-        r1 = resource.getrusage(resource.RUSAGE_SELF)
-        c1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
-               + c1.ru_utime + c1.ru_stime - c0.ru_utime - c0.ru_stime)
-        prev = timings.get(stage, {"wall_s": 0.0, "cpu_s": 0.0})
-        # Accumulated over resumed runs of the same stage.
-        timings[stage] = {"wall_s": round(prev["wall_s"] + time.time() - t0, 1),
-                          "cpu_s": round(prev["cpu_s"] + cpu, 1)}
-        tpath.write_text(json.dumps(timings, indent=1))
-        log(f"=== stage {stage} done in {(time.time() - t0) / 60:.1f} min (CPU {cpu / 60:.1f} min)")
+    try:
+        stages = parse_stages(args.stages, STAGES)
+    except ValueError as exc:
+        ap.error(str(exc))
+    # vLLM's engine start-up (the generate stage) lowers torch's thread count for serving.
+    run_stages(stages, lambda stage: globals()[f"stage_{stage}"](args, work), work, log=log,
+               before=lambda: torch.set_num_threads(args.threads))
     return 0
 
 

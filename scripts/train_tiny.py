@@ -201,7 +201,7 @@ def stage_export(args, work: Path) -> None:
     (assets / "train_info.json").write_text(json.dumps({
         "command": "python scripts/train_tiny.py", "seed": args.seed,
         "stdlib_root": str(corpus.stdlib_root()),
-        "timings_s": json.loads((work / "timings.json").read_text()),
+        "timings": json.loads((work / "timings.json").read_text()),
     }, indent=1) + "\n")
     sizes = {p.relative_to(assets).as_posix(): p.stat().st_size
              for p in sorted(assets.rglob("*")) if p.is_file()}
@@ -218,6 +218,8 @@ def train_target_logged(model, train, held, targs):
 
 
 def main(argv=None) -> int:
+    from vllm_dspark.tools.training.stages import parse_stages, run_stages
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "tiny")
     ap.add_argument("--assets-dir", type=Path,
@@ -250,24 +252,13 @@ def main(argv=None) -> int:
     torch.manual_seed(args.seed)
     work = args.work_dir
     work.mkdir(parents=True, exist_ok=True)
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = set(stages) - set(STAGES)
-    if unknown:
-        ap.error(f"unknown stages {sorted(unknown)}; expected a subset of {STAGES}")
-    timings_path = work / "timings.json"
-    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {}
+    try:
+        stages = parse_stages(args.stages, STAGES)
+    except ValueError as exc:
+        ap.error(str(exc))
     t_all = time.time()
-    for stage in STAGES:
-        if stage not in stages:
-            continue
-        t0 = time.time()
-        log(f"=== stage {stage}")
-        globals()[f"stage_{stage}"](args, work)
-        timings[stage] = round(time.time() - t0, 1)
-        timings_path.write_text(json.dumps(timings, indent=1))
-        log(f"=== stage {stage} done in {timings[stage] / 60:.1f} min")
-    log(f"all requested stages done in {(time.time() - t_all) / 60:.1f} min "
-        f"(per stage: {timings})")
+    timings = run_stages(stages, lambda stage: globals()[f"stage_{stage}"](args, work), work, log=log)
+    log(f"all requested stages done in {(time.time() - t_all) / 60:.1f} min (per stage: {timings})")
     return 0
 
 
