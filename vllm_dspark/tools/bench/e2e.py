@@ -176,6 +176,31 @@ def _inputs(prompts: list) -> list:
     return [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
 
 
+def _cells(datasets: dict[str, list], temperatures, concurrencies, prompts_per_cell):
+    """(dataset, temperature, concurrency, prompts) of every cell, in the order both runners measure."""
+    for ds, prompts in datasets.items():
+        for temp in temperatures:
+            for c in concurrencies:
+                yield ds, temp, c, (prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts)
+
+
+def _params(max_tokens: int, temp: float, ignore_eos: bool = False):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temp, seed=1234 if temp > 0 else None,
+                          ignore_eos=ignore_eos)
+
+
+def _generate(llm, cell: list, c: int, params) -> tuple[list[list[int]], float]:
+    """The cell's prompts ``c`` at a time: (output token ids per prompt, seconds)."""
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(cell), c):
+        outs = llm.generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
+        outputs += [list(o.outputs[0].token_ids) for o in outs]
+    return outputs, time.perf_counter() - start
+
+
 def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, concurrencies=(1,),
                temperatures=(0.0,), max_tokens: int = 256, prompts_per_cell=None, log=print,
                max_num_seqs: int | None = None, ignore_eos: bool = False) -> list[dict]:
@@ -185,8 +210,6 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
     the same cell are comparable across configurations because every
     configuration sees the same prompts and sampling parameters.
     """
-    from vllm import SamplingParams
-
     results = []
     trace_dir = tempfile.mkdtemp(prefix="dspark-bench-")
     trace = os.path.join(trace_dir, "trace.jsonl")
@@ -199,39 +222,29 @@ def run_engine(pair: Pair, cfg: EngineConfig, datasets: dict[str, list], *, conc
                     max_model_len=pair.max_model_len, max_num_seqs=max_num_seqs or max(concurrencies)) as llm:
         log(f"[{cfg.name}] engine up in {time.monotonic() - t0:.0f} s")
         warm = next(iter(datasets.values()))[:2]
-        llm.generate(_inputs(warm), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
-        for ds, prompts in datasets.items():
-            for temp in temperatures:
-                for c in concurrencies:
-                    cell = prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts
-                    if os.path.exists(trace):
-                        os.remove(trace)
-                    before = spec_metrics(llm)
-                    rep0 = dspark_report(llm) if spec and spec.get("method") == "dspark" else None
-                    params = SamplingParams(max_tokens=max_tokens, temperature=temp,
-                                            seed=1234 if temp > 0 else None, ignore_eos=ignore_eos)
-                    outputs: list[list[int]] = []
-                    start = time.perf_counter()
-                    for i in range(0, len(cell), c):
-                        outs = llm.generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
-                        outputs += [list(o.outputs[0].token_ids) for o in outs]
-                    seconds = time.perf_counter() - start
-                    tokens = sum(len(t) for t in outputs)
-                    row = {"pair": pair.name, "config": cfg.name, "dataset": ds, "concurrency": c,
-                           "temperature": temp, "requests": len(cell), "output_tokens": tokens,
-                           "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
-                    if spec:
-                        row.update(acceptance_summary(_delta(spec_metrics(llm), before)))
-                    if rep0 is not None:
-                        rep = dspark_report(llm)
-                        assert rep is not None  # the same engine answered for rep0
-                        row["dspark"] = {k: _delta(rep[k], rep0[k]) for k in ("stats", "timings_s")}
-                        row["dspark"]["calibration"] = calibration(read_trace(trace, "acceptance"),
-                                                                   pair_block(rep))
-                    results.append(row)
-                    log(f"[{cfg.name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s"
-                        + (f", acceptance length {row['mean_acceptance_length']:.2f}"
-                           if "mean_acceptance_length" in row else ""))
+        llm.generate(_inputs(warm), _params(8, 0.0), use_tqdm=False)
+        for ds, temp, c, cell in _cells(datasets, temperatures, concurrencies, prompts_per_cell):
+            if os.path.exists(trace):
+                os.remove(trace)
+            before = spec_metrics(llm)
+            rep0 = dspark_report(llm) if spec and spec.get("method") == "dspark" else None
+            outputs, seconds = _generate(llm, cell, c, _params(max_tokens, temp, ignore_eos))
+            tokens = sum(len(t) for t in outputs)
+            row = {"pair": pair.name, "config": cfg.name, "dataset": ds, "concurrency": c,
+                   "temperature": temp, "requests": len(cell), "output_tokens": tokens,
+                   "seconds": seconds, "tokens_per_s": tokens / seconds, "outputs": outputs}
+            if spec:
+                row.update(acceptance_summary(_delta(spec_metrics(llm), before)))
+            if rep0 is not None:
+                rep = dspark_report(llm)
+                assert rep is not None  # the same engine answered for rep0
+                row["dspark"] = {k: _delta(rep[k], rep0[k]) for k in ("stats", "timings_s")}
+                row["dspark"]["calibration"] = calibration(read_trace(trace, "acceptance"),
+                                                           pair_block(rep))
+            results.append(row)
+            log(f"[{cfg.name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s"
+                + (f", acceptance length {row['mean_acceptance_length']:.2f}"
+                   if "mean_acceptance_length" in row else ""))
     return results
 
 
@@ -264,8 +277,6 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
     import contextlib
     import statistics
 
-    from vllm import SamplingParams
-
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     with contextlib.ExitStack() as stack:
         engines = {}
@@ -278,54 +289,46 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
             log(f"[{cfg.name}] engine up in {time.monotonic() - t0:.0f} s")
         warm = next(iter(datasets.values()))[:2]
         for llm in engines.values():
-            llm.generate(_inputs(warm), SamplingParams(max_tokens=8, temperature=0.0), use_tqdm=False)
+            llm.generate(_inputs(warm), _params(8, 0.0), use_tqdm=False)
         rows = []
-        for ds, prompts in datasets.items():
-            for temp in temperatures:
-                for c in concurrencies:
-                    cell = prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts
-                    params = SamplingParams(max_tokens=max_tokens, temperature=temp, seed=1234 if temp > 0 else None)
-                    reports0 = {n: dspark_report(engines[n]) for n in engines if _is_dspark(configs, n)}
-                    rates: dict[str, list[float]] = {n: [] for n in engines}
-                    outputs: dict[str, list] = {}
-                    tokens: dict[str, int] = {}
-                    names = list(engines)
-                    for rep in range(repeats):
-                        for name in names[rep % len(names):] + names[:rep % len(names)]:
-                            outs: list[list[int]] = []
-                            start = time.perf_counter()
-                            for i in range(0, len(cell), c):
-                                got = engines[name].generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
-                                outs += [list(o.outputs[0].token_ids) for o in got]
-                            seconds = time.perf_counter() - start
-                            n_tok = sum(len(t) for t in outs)
-                            rates[name].append(n_tok / seconds)
-                            outputs.setdefault(name, outs)
-                            tokens[name] = tokens.get(name, 0) + n_tok
-                    base = rates.get("no-spec")
-                    for name, cfg in ((n, next(c_ for c_ in configs if c_.name == n)) for n in names):
-                        r = rates[name]
-                        row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c,
-                               "temperature": temp, "requests": len(cell), "repeats": [round(x, 2) for x in r],
-                               "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
-                               "output_tokens": tokens[name], "outputs": outputs[name]}
-                        if base is not None:
-                            ratios = [a / b for a, b in zip(r, base, strict=True)]
-                            row["speedup_median"] = statistics.median(ratios)
-                            row["speedup_spread"] = [min(ratios), max(ratios)]
-                        if name in reports0:
-                            # vLLM's metrics registry is one per process and holds the last engine
-                            # built: acceptance comes from the proposer's own counters.
-                            now, was = dspark_report(engines[name]), reports0[name]
-                            assert now is not None and was is not None
-                            row["dspark"] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
-                            row.update(proposer_acceptance(row["dspark"]["stats"]))
-                        elif cfg.speculative_config:
-                            row["acceptance_note"] = "not measured: several engines share this process's metrics"
-                        rows.append(row)
-                        log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
-                            f"(repeats {', '.join(f'{x:.1f}' for x in r)})"
-                            + (f", speed-up {row['speedup_median']:.2f}x" if "speedup_median" in row else "")
-                            + (f", acceptance length {row['mean_acceptance_length']:.2f}"
-                               if "mean_acceptance_length" in row else ""))
+        for ds, temp, c, cell in _cells(datasets, temperatures, concurrencies, prompts_per_cell):
+            params = _params(max_tokens, temp)
+            reports0 = {n: dspark_report(engines[n]) for n in engines if _is_dspark(configs, n)}
+            rates: dict[str, list[float]] = {n: [] for n in engines}
+            outputs: dict[str, list] = {}
+            tokens: dict[str, int] = {}
+            names = list(engines)
+            for rep in range(repeats):
+                for name in names[rep % len(names):] + names[:rep % len(names)]:
+                    outs, seconds = _generate(engines[name], cell, c, params)
+                    n_tok = sum(len(t) for t in outs)
+                    rates[name].append(n_tok / seconds)
+                    outputs.setdefault(name, outs)
+                    tokens[name] = tokens.get(name, 0) + n_tok
+            base = rates.get("no-spec")
+            for name, cfg in ((n, next(c_ for c_ in configs if c_.name == n)) for n in names):
+                r = rates[name]
+                row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c,
+                       "temperature": temp, "requests": len(cell), "repeats": [round(x, 2) for x in r],
+                       "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+                       "output_tokens": tokens[name], "outputs": outputs[name]}
+                if base is not None:
+                    ratios = [a / b for a, b in zip(r, base, strict=True)]
+                    row["speedup_median"] = statistics.median(ratios)
+                    row["speedup_spread"] = [min(ratios), max(ratios)]
+                if name in reports0:
+                    # vLLM's metrics registry is one per process and holds the last engine
+                    # built: acceptance comes from the proposer's own counters.
+                    now, was = dspark_report(engines[name]), reports0[name]
+                    assert now is not None and was is not None
+                    row["dspark"] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
+                    row.update(proposer_acceptance(row["dspark"]["stats"]))
+                elif cfg.speculative_config:
+                    row["acceptance_note"] = "not measured: several engines share this process's metrics"
+                rows.append(row)
+                log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
+                    f"(repeats {', '.join(f'{x:.1f}' for x in r)})"
+                    + (f", speed-up {row['speedup_median']:.2f}x" if "speedup_median" in row else "")
+                    + (f", acceptance length {row['mean_acceptance_length']:.2f}"
+                       if "mean_acceptance_length" in row else ""))
     return rows
