@@ -6,16 +6,18 @@ import numpy as np
 import pytest
 
 from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common import calibration as K
+from vllm_dspark.spec_decode.common import costs as C
 
 
 def flat(t=0.1, d=0.01):
     """A memory-bound machine: verifying 1 or 256 tokens costs the same."""
-    return B.CostModel(verify=[(1, t), (256, t)], draft=[(1, d), (64, d)])
+    return C.CostModel(verify=[(1, t), (256, t)], draft=[(1, d), (64, d)])
 
 
 def linear(per_token=0.01, fixed=0.0, d=0.0):
     """A compute-bound machine: every token costs the same."""
-    return B.CostModel(verify=[(1, fixed + per_token), (256, fixed + 256 * per_token)], draft=[(1, d), (64, d)])
+    return C.CostModel(verify=[(1, fixed + per_token), (256, fixed + 256 * per_token)], draft=[(1, d), (64, d)])
 
 
 def test_survival_is_the_running_product():
@@ -54,7 +56,7 @@ def test_zero_drafts_when_no_slot_pays():
 def test_ranking_is_global_across_requests_and_keeps_prefixes():
     surv = np.array([[0.95, 0.9, 0.85], [0.97, 0.2, 0.1], [0.5, 0.4, 0.3]])
     # Fixed + per-token cost: admits the best slots of all requests.
-    costs = B.CostModel(verify=[(3, 0.1), (12, 0.1 + 9 * 0.004)], draft=[(1, 0.0), (8, 0.0)])
+    costs = C.CostModel(verify=[(3, 0.1), (12, 0.1 + 9 * 0.004)], draft=[(1, 0.0), (8, 0.0)])
     a = B.allocate(surv, [3, 3, 3], costs)
     assert a.kept[0] >= a.kept[2] and a.kept[1] <= 1
     for row, k in zip(surv, a.kept):  # admitted slots always form a prefix of each request
@@ -80,7 +82,7 @@ def test_forecast_from_a_typical_survival():
 
 
 def test_cost_model_interpolates_extrapolates_and_stays_monotone():
-    m = B.CostModel(verify=[(1, 0.1), (4, 0.09), (8, 0.2)], draft=[(1, 0.01)])
+    m = C.CostModel(verify=[(1, 0.1), (4, 0.09), (8, 0.2)], draft=[(1, 0.01)])
     assert m.verify == [(1, 0.1), (4, 0.1), (8, 0.2)]  # profiling noise cannot make tokens cheaper
     assert m.verify_time(6) == pytest.approx(0.15)
     assert m.verify_time(12) == pytest.approx(0.3)  # the last slope continues
@@ -88,7 +90,7 @@ def test_cost_model_interpolates_extrapolates_and_stays_monotone():
 
 
 def test_a_profile_the_corrections_keep_disowning_is_stale():
-    m = B.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
+    m = C.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
     for _ in range(200):  # noise around the profile never makes it stale
         m.observe_verify(1, 0.1 * float(np.random.default_rng(len(str(_))).uniform(0.7, 1.4)))
     assert not m.stale
@@ -103,14 +105,14 @@ def test_a_profile_the_corrections_keep_disowning_is_stale():
     m.rebase()  # the corrections folded into the curves
     assert not m.stale and m.scale_verify == 1.0 and m.rebased == 1
     assert m.verify_time(1) == pytest.approx(0.1 * scale) and m.verify_time(100) == pytest.approx(0.2 * scale)
-    m2 = B.CostModel(verify=[(1, 0.1)], draft=[(1, 0.01)], ema=0.5, patience=3)
+    m2 = C.CostModel(verify=[(1, 0.1)], draft=[(1, 0.01)], ema=0.5, patience=3)
     for _ in range(3):
         m2.observe_draft(1, 0.1)  # the drafter is 10x slower than profiled
     assert m2.stale
 
 
 def test_online_corrections_follow_observed_times_but_clamp_outliers():
-    m = B.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5)
+    m = C.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5)
     m.observe_verify(10, 0.2)
     assert m.scale_verify == pytest.approx(1.5)
     m.observe_verify(10, 100.0)  # a stall: clamped to 4x before averaging
@@ -118,7 +120,7 @@ def test_online_corrections_follow_observed_times_but_clamp_outliers():
 
 
 def test_calibrator_starts_pessimistic_and_learns_from_the_first_position_outwards():
-    cal = B.Calibrator(num_positions=3, prior_strength=4, prior_acceptance=0.1, bin_prior=10, memory=0)
+    cal = K.Calibrator(num_positions=3, prior_strength=4, prior_acceptance=0.1, bin_prior=10, memory=0)
     conf = np.array([[0.9, 0.9, 0.9]])
     # Nothing measured: the head's 0.9 is not believed; every position assumes the prior's 0.1.
     np.testing.assert_allclose(cal.levels()[0], [0.1, 0.1, 0.1])
@@ -134,7 +136,7 @@ def test_calibrator_starts_pessimistic_and_learns_from_the_first_position_outwar
 
 
 def test_calibrator_learns_a_miscalibrated_head():
-    cal = B.Calibrator(num_positions=3, prior_strength=4, bin_prior=10, memory=0)
+    cal = K.Calibrator(num_positions=3, prior_strength=4, bin_prior=10, memory=0)
     for _ in range(200):  # the head says 0.9, the target accepts position 0 only half the time
         cal.observe([0.9, 0.9, 0.9], verified=3, accepted=0, sampled=False)
         cal.observe([0.9, 0.9, 0.9], verified=3, accepted=3, sampled=False)
@@ -148,7 +150,7 @@ def test_calibrator_learns_a_miscalibrated_head():
 
 
 def test_the_head_ranks_slots_within_a_position():
-    cal = B.Calibrator(num_positions=1, prior_strength=4, memory=0)
+    cal = K.Calibrator(num_positions=1, prior_strength=4, memory=0)
     rng = np.random.default_rng(0)
     for _ in range(300):  # confidence 0.8 accepted 80 % of the time, 0.2 accepted 20 %
         c = float(rng.choice([0.2, 0.8]))
@@ -158,7 +160,7 @@ def test_the_head_ranks_slots_within_a_position():
 
 
 def test_calibrator_forgets_old_evidence():
-    cal = B.Calibrator(num_positions=1, prior_strength=4, memory=50)
+    cal = K.Calibrator(num_positions=1, prior_strength=4, memory=50)
     for _ in range(500):
         cal.observe([0.9], verified=1, accepted=1, sampled=False)
     assert cal.levels()[0, 0] > 0.9
@@ -169,7 +171,7 @@ def test_calibrator_forgets_old_evidence():
 
 
 def test_optimistic_levels_shrink_with_evidence():
-    cal = B.Calibrator(num_positions=3)
+    cal = K.Calibrator(num_positions=3)
     np.testing.assert_allclose(cal.levels_optimistic()[0], [1.0, 1.0, 1.0])  # nothing measured: could be anything
     for n in (4, 16, 64):
         while cal.counts[0, 0].sum() < n:
@@ -180,25 +182,25 @@ def test_optimistic_levels_shrink_with_evidence():
 
 
 def test_cache_round_trip(tmp_path):
-    m = B.CostModel(verify=[(1, 0.1), (8, 0.2)], draft=[(1, 0.01), (4, 0.02)])
-    B.save_cached(tmp_path / "c.json", m)
-    got = B.load_cached(tmp_path / "c.json")
+    m = C.CostModel(verify=[(1, 0.1), (8, 0.2)], draft=[(1, 0.01), (4, 0.02)])
+    C.save_cached(tmp_path / "c.json", m)
+    got = C.load_cached(tmp_path / "c.json")
     assert got.verify == m.verify and got.draft == m.draft
     (tmp_path / "bad.json").write_text("{")
-    assert B.load_cached(tmp_path / "bad.json") is None
+    assert C.load_cached(tmp_path / "bad.json") is None
 
 
 # ------------------------------------------------------------------ the policy, simulated
 def cpu_costs():
     """This machine's float32 record of the default pair, extended linearly: 85 ms to decode, 158 ms to
     verify 8 tokens at batch 1 (about 10 ms per token, compute-bound); drafter 12 ms + 4 ms a request."""
-    return B.CostModel(verify=[(1, 0.085), (8, 0.158), (512, 0.085 + 511 * 0.0104)],
+    return C.CostModel(verify=[(1, 0.085), (8, 0.158), (512, 0.085 + 511 * 0.0104)],
                        draft=[(1, 0.012), (64, 0.012 + 63 * 0.004)])
 
 
 def gpu_costs():
     """Verifying is nearly free (the test pairs, a GPU at small batch): 30 ms a step, 2-4 ms of drafting."""
-    return B.CostModel(verify=[(1, 0.030), (256, 0.031), (512, 0.06)], draft=[(1, 0.002), (64, 0.004)])
+    return C.CostModel(verify=[(1, 0.030), (256, 0.031), (512, 0.06)], draft=[(1, 0.002), (64, 0.004)])
 
 
 def simulate(costs, r, steps, alpha, conf=0.9, *, fixed=None, seed=0, switch=(), trust=None):
@@ -296,7 +298,7 @@ def test_a_stopped_drafter_is_readmitted_once_a_probe_is_accepted():
 
 
 def test_no_probe_when_not_even_an_always_accepted_drafter_could_pay():
-    never = B.CostModel(verify=[(1, 0.01), (512, 5.12)], draft=[(1, 1.0), (64, 1.0)])
+    never = C.CostModel(verify=[(1, 0.01), (512, 5.12)], draft=[(1, 1.0), (64, 1.0)])
     for r in (1, 16):
         rate, log, pol = simulate(never, r, 100, alpha=1.0)
         assert all(m == "skip" for m, _ in log), log[:10]
@@ -319,7 +321,7 @@ def test_probes_rotate_over_the_requests_within_their_caps():
 def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     from vllm_dspark.spec_decode.common import profile as P
 
-    cached = B.CostModel(verify=[(1, 0.001), (8, 0.002)], draft=[(1, 0.0005), (4, 0.001)])
+    cached = C.CostModel(verify=[(1, 0.001), (8, 0.002)], draft=[(1, 0.0005), (4, 0.001)])
     assert P.judge_spot_check(cached, {"verify_1": 0.0012, "draft_1": 0.0004}) is None
     why = P.judge_spot_check(cached, {"verify_1": 0.0004, "draft_1": 0.0005})  # 2.5x faster than cached
     assert why and "verify_1" in why

@@ -15,7 +15,7 @@ import types
 
 import pytest
 
-from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common import costs as C
 from vllm_dspark.spec_decode.common import profile as P
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.v1.proposer import _unseeded_draft_seed
@@ -87,7 +87,7 @@ def _two_ranks(monkeypatch, tmp_path, cached_on: set[int], consensus: bool, hook
 def _fake_profile(p, scale):
     for _ in range(3):  # a profile is a series of dummy runs on every rank
         p.collective()
-    return B.CostModel(verify=[(1, 0.01), (8, 0.02)], draft=[(1, 0.005 * scale)])
+    return C.CostModel(verify=[(1, 0.01), (8, 0.02)], draft=[(1, 0.005 * scale)])
 
 
 def test_without_agreement_a_cache_on_one_rank_only_hangs_the_other(monkeypatch, tmp_path):
@@ -103,7 +103,7 @@ def test_the_ranks_agree_on_loading_or_profiling(monkeypatch, tmp_path, cached_o
     results, proposers = _two_ranks(monkeypatch, tmp_path, cached_on=cached_on, consensus=True,
                                     hooks=({}, {"draft_time_scale": 1000.0}))
     models = [results[0], results[1]]
-    assert all(isinstance(m, B.CostModel) for m in models), results
+    assert all(isinstance(m, C.CostModel) for m in models), results
     # Rank 0's numbers everywhere (rank 1's drafter times were 1000x: the hook).
     assert (models[0].verify, models[0].draft) == (models[1].verify, models[1].draft)
     assert models[0].verify[0][1] == (0.001 if decision == "loaded" else 0.01)

@@ -1,7 +1,8 @@
 """Speculative decoding with a DSpark drafter, split by what runs where.
 
 * ``common/``: runner-independent logic, used by both runners: the draft budget
-  and its start-up profile, the verification rules, draft sampling, the Markov
+  (``budget``, with its cost model ``costs`` and acceptance ``calibration``) and
+  its start-up profile, the verification rules, draft sampling, the Markov
   stage's inputs, the tensor-parallel consensus and the draft config keys.
 * ``v1/``: vLLM 0.32's V1 runner (the CPU backend and other V1 platforms): the
   proposer, its draft model, the held context K/V, the upstream couplings it

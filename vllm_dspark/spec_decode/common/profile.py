@@ -24,7 +24,7 @@ is not trusted blindly:
   than :data:`SPOT_TOLERANCE` x, the profile is taken again (the cached one was
   taken while the machine was busy, or on another state of it);
 * while serving, the online corrections
-  (:class:`~vllm_dspark.spec_decode.common.budget.CostModel`) track the machine's load;
+  (:class:`~vllm_dspark.spec_decode.common.costs.CostModel`) track the machine's load;
   when one stays far from 1 for long (:attr:`CostModel.stale`), the proposer
   drops the cache entry (:func:`drop_cached`), so the next start profiles again.
 
@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from vllm_dspark.cache import cache_dir
-from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common import costs as C
 from vllm_dspark.spec_decode.common.consensus import Consensus
 
 logger = logging.getLogger("vllm_dspark")
@@ -109,7 +109,7 @@ def _draft_fn(proposer, r: int):
     return run
 
 
-def profile(proposer, draft_scale: float = 1.0) -> B.CostModel:
+def profile(proposer, draft_scale: float = 1.0) -> C.CostModel:
     vc = proposer.vllm_config
     max_seqs = int(vc.scheduler_config.max_num_seqs)
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
@@ -119,9 +119,9 @@ def profile(proposer, draft_scale: float = 1.0) -> B.CostModel:
     # the cost model extrapolates linearly (compute-bound) and the online EMA corrects it.
     max_verify = min(max_verify, PROFILE_MAX_TOKENS)
     max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
-    verify = [(n, _time(_verify_fn(proposer, n))) for n in B.profile_sizes(max_verify)]
-    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale)) for r in B.profile_sizes(max_seqs)]
-    return B.CostModel(verify=verify, draft=draft, source="start-up profile")
+    verify = [(n, _time(_verify_fn(proposer, n))) for n in C.profile_sizes(max_verify)]
+    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale)) for r in C.profile_sizes(max_seqs)]
+    return C.CostModel(verify=verify, draft=draft, source="start-up profile")
 
 
 def spot_check(proposer, draft_scale: float = 1.0) -> dict[str, float]:
@@ -129,7 +129,7 @@ def spot_check(proposer, draft_scale: float = 1.0) -> dict[str, float]:
     return {"verify_1": _time(_verify_fn(proposer, 1)), "draft_1": _time(_draft_fn(proposer, 1), scale=draft_scale)}
 
 
-def judge_spot_check(cached: B.CostModel, spot: dict[str, float], tolerance: float | None = None) -> str | None:
+def judge_spot_check(cached: C.CostModel, spot: dict[str, float], tolerance: float | None = None) -> str | None:
     """Why the cached profile is stale (None: it still describes this machine)."""
     tolerance = SPOT_TOLERANCE if tolerance is None else tolerance
     for name, want in (("verify_1", float(cached.verify_time(1))), ("draft_1", cached.draft_time(1))):
@@ -145,7 +145,7 @@ def _lookup(path: Path, use_cache: bool, hook: dict) -> dict | None:
         return dict(hook["cached_costs"])
     if not (use_cache and path.is_file()):
         return None
-    m = B.load_cached(path)
+    m = C.load_cached(path)
     return None if m is None else m.to_dict()
 
 
@@ -163,7 +163,7 @@ def drop_cached(path: str | Path | None) -> bool:
         return False
 
 
-def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | None = None) -> B.CostModel:
+def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | None = None) -> C.CostModel:
     """The budget's cost model, the same on every rank (see the module docstring).
 
     ``proposer.profile_info`` records what happened here: this rank's own cache
@@ -179,9 +179,9 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
     info: dict = {"local_cache_hit": local is not None, "rank": cons.rank}
     # 1. Is there a cached profile? The deciding rank's answer, before any dummy run.
     cached = cons.decide(lambda: local)
-    model: B.CostModel | None = None
+    model: C.CostModel | None = None
     if cached is not None:
-        candidate = B.CostModel.from_dict(cached, source=f"cache {path}")
+        candidate = C.CostModel.from_dict(cached, source=f"cache {path}")
         # 2. Does it still describe this machine? Every rank runs the spot check; the decider judges.
         spot = spot_check(proposer, scale)
         why = cons.decide(lambda: judge_spot_check(candidate, spot))
@@ -196,12 +196,12 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
         # 3. Profile: every rank together (dummy runs are collectives); the decider's numbers win.
         measured = profile(proposer, scale)
         agreed = cons.decide(lambda: measured.to_dict())
-        model = B.CostModel.from_dict(agreed, source="start-up profile")
+        model = C.CostModel.from_dict(agreed, source="start-up profile")
         info["decision"] = "profiled"
         info["local_verify_1"], info["local_draft_1"] = measured.verify[0][1], measured.draft[0][1]
         if use_cache and cons.is_decider:
             try:
-                B.save_cached(path, model)
+                C.save_cached(path, model)
                 model.source = f"start-up profile, cached at {path}"
                 model.cache_path = str(path)
             except OSError as exc:

@@ -48,6 +48,7 @@ from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power
 
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
 from vllm_dspark.spec_decode.common import budget as B
+from vllm_dspark.spec_decode.common import costs as C
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.common.markov_inputs import markov_stage_inputs
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
@@ -75,9 +76,9 @@ class DSparkProposer(DFlashProposer):
         self.stats = VerifyStats()
         self.policy = B.BudgetPolicy(self.n_draft, B.TrustConfig(**s.trust()))
         self.calibrator = self.policy.calibrator
-        self.costs: B.CostModel | None = None
+        self.costs: C.CostModel | None = None
         if s.costs is not None:
-            self.costs = B.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
+            self.costs = C.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
             self.policy.costs = self.costs
         # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
         self.consensus = Consensus()

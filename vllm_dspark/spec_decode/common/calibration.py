@@ -1,0 +1,134 @@
+"""Measured acceptance of the drafter, learnt online: what the budget believes instead of the head.
+
+See :class:`Calibrator`; the budget (``budget.py``) reads its levels and calibrated
+confidences to rank and admit draft slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Calibrator:
+    """Measured acceptance, learnt online per (mode, position) and per (mode, position, confidence bin).
+
+    Nothing is trusted before it is measured. Each position's acceptance
+    *level* is a Beta-style estimate whose prior is pessimistic and chained:
+    position 0 starts from ``prior_acceptance`` with ``prior_strength``
+    pseudo-observations, and position ``j`` starts from position ``j-1``'s
+    estimate (a drafter proves itself from the first position outwards; a
+    position nothing has reached yet is assumed no better than the one before).
+    Within a position the head's confidence only *ranks* slots: a slot's prior
+    is the level scaled by ``conf / (mean confidence seen at that position)``,
+    and each confidence bin's measured rate takes over from it after
+    ``bin_prior`` observations. So a head that says 0.9 everywhere and is never
+    accepted gets survival estimates that fall with every rejection, instead of
+    0.9 until a few hundred verified tokens have outvoted it.
+
+    Evidence fades with ``memory`` (observations, per mode): old acceptances do
+    not keep vouching for a drafter on a workload that changed.
+    """
+
+    num_positions: int
+    bins: int = 10
+    prior_strength: float = 4.0
+    prior_acceptance: float = 0.1
+    bin_prior: float = 20.0
+    memory: float = 2000.0
+    hits: np.ndarray = field(init=False)  # [2, P, bins], decayed (mode 0 greedy, 1 sampled)
+    counts: np.ndarray = field(init=False)
+    pred_sum: np.ndarray = field(init=False)
+    total_hits: np.ndarray = field(init=False)  # the same, never decayed (the report)
+    total_counts: np.ndarray = field(init=False)
+    total_pred: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        shape = (2, self.num_positions, self.bins)
+        for name in ("hits", "counts", "pred_sum", "total_hits", "total_counts", "total_pred"):
+            setattr(self, name, np.zeros(shape))
+
+    def _bin(self, c: np.ndarray) -> np.ndarray:
+        return np.clip((np.asarray(c) * self.bins).astype(np.int64), 0, self.bins - 1)
+
+    def levels(self) -> np.ndarray:
+        """[2, P] measured conditional acceptance per mode and position (the chained pessimistic prior)."""
+        h = self.hits.sum(axis=2)
+        n = self.counts.sum(axis=2)
+        w = self.prior_strength
+        out = np.empty_like(h)
+        prev = np.full(2, float(self.prior_acceptance))
+        for j in range(self.num_positions):
+            den = n[:, j] + w
+            out[:, j] = np.where(den > 0, (h[:, j] + w * prev) / np.maximum(den, 1e-12), prev)
+            prev = out[:, j]
+        return out
+
+    def levels_optimistic(self, z: float = 2.0) -> np.ndarray:
+        """[2, P] an upper confidence bound on the acceptance, from the measurements alone (no prior:
+        1 before anything is measured, shrinking like 1/sqrt(observations)); a position is bounded
+        by the one before it, as in :meth:`levels`. What the acceptance could still be: while this
+        bound says drafting could pay, probing is worth it."""
+        h = self.hits.sum(axis=2)
+        n = self.counts.sum(axis=2)
+        a, b = h + 1.0, (n - h) + 1.0  # a uniform Beta(1, 1) belief, updated by the data
+        mean = a / (a + b)
+        ucb = np.clip(mean + z * np.sqrt(mean * (1.0 - mean) / (a + b + 1.0)), 0.0, 1.0)
+        return np.minimum.accumulate(ucb, axis=1)
+
+    def calibrate(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
+        """[R, N] predicted conditional acceptance -> calibrated, same shape."""
+        conf = np.asarray(conf, dtype=np.float64)
+        r, n = conf.shape
+        mode = np.broadcast_to(np.asarray(sampled, dtype=np.int64)[:, None], (r, n))
+        pos = np.broadcast_to(np.arange(n)[None, :], (r, n))
+        lv = self.levels()
+        cnt = self.counts.sum(axis=2)
+        mean_pred = np.where(cnt > 0, self.pred_sum.sum(axis=2) / np.maximum(cnt, 1e-12), np.nan)
+        mp = mean_pred[mode, pos]
+        ratio = np.where(np.isfinite(mp) & (mp > 0), conf / np.where(mp > 0, mp, 1.0), 1.0)
+        q = np.clip(lv[mode, pos] * ratio, 0.0, 1.0)
+        b = self._bin(conf)
+        h = self.hits[mode, pos, b]
+        c = self.counts[mode, pos, b]
+        return (h + self.bin_prior * q) / (c + self.bin_prior)
+
+    def observe(self, conf: Sequence[float], verified: int, accepted: int, sampled: bool) -> None:
+        """One request's verified drafts: positions < accepted were accepted, position ``accepted`` was not."""
+        if verified <= 0:
+            return
+        m = int(sampled)
+        if self.memory > 0:
+            keep = 1.0 - 1.0 / self.memory
+            self.hits[m] *= keep
+            self.counts[m] *= keep
+            self.pred_sum[m] *= keep
+        last = min(accepted, verified - 1)
+        for j in range(last + 1):
+            c = float(conf[j])
+            b = int(min(self.bins - 1, max(0, int(c * self.bins))))
+            hit = 1.0 if j < accepted else 0.0
+            for cnt, hits, pred in ((self.counts, self.hits, self.pred_sum),
+                                    (self.total_counts, self.total_hits, self.total_pred)):
+                cnt[m, j, b] += 1
+                pred[m, j, b] += c
+                hits[m, j, b] += hit
+
+    def table(self) -> dict:
+        """The head's calibration: predicted vs measured conditional acceptance per position and per
+        confidence bin (both modes pooled, every observation), the expected calibration error over
+        the bins, and the levels the budget currently uses (greedy, sampled)."""
+        cnt = self.total_counts.sum(axis=(0, 2))
+        bcnt = self.total_counts.sum(axis=(0, 1))
+        bpred = self.total_pred.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
+        bmeas = self.total_hits.sum(axis=(0, 1)) / np.maximum(bcnt, 1)
+        total = float(bcnt.sum())
+        ece = float((bcnt * np.abs(bpred - bmeas)).sum() / total) if total else float("nan")
+        return {"count": cnt.tolist(),
+                "predicted": (self.total_pred.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
+                "measured": (self.total_hits.sum(axis=(0, 2)) / np.maximum(cnt, 1)).tolist(),
+                "bins": {"count": bcnt.tolist(), "predicted": bpred.tolist(), "measured": bmeas.tolist()},
+                "ece": ece, "levels": self.levels().tolist()}

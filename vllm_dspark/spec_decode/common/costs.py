@@ -1,0 +1,143 @@
+"""The budget's cost model: verify time per token count and drafter time per request count.
+
+From a start-up profile (``profile.py``, cached on disk as JSON), corrected online
+by the step times actually observed; a profile the corrections keep disowning is
+stale (:attr:`CostModel.stale`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass
+class CostModel:
+    """Step-time curves: target verify time by tokens in the batch, drafter time by requests.
+
+    ``verify`` and ``draft`` are sorted ``(x, seconds)`` points; between points
+    the time is interpolated linearly, beyond the last point extrapolated from
+    the last two (the machine stays compute-bound). ``scale_verify`` and
+    ``scale_draft`` are online corrections (EMAs of observed / predicted).
+
+    A correction that stays outside ``[1/drift, drift]`` for ``patience``
+    observations in a row means the curves no longer describe this machine (a
+    profile taken while the machine was busy, or cached from another state of
+    it): :attr:`stale` turns true. The proposer then drops the cached profile,
+    so the next start profiles again, and :meth:`rebase` folds the corrections
+    into the curves.
+    """
+
+    verify: list[tuple[int, float]]
+    draft: list[tuple[int, float]]
+    scale_verify: float = 1.0
+    scale_draft: float = 1.0
+    ema: float = 0.05
+    source: str = "profile"
+    drift: float = 2.0
+    patience: int = 100
+    far_verify: int = 0  # consecutive observations with scale_verify outside [1/drift, drift]
+    far_draft: int = 0
+    rebased: int = 0  # how many times rebase() folded the corrections in
+    cache_path: str | None = None  # where this model is cached (None: nowhere)
+
+    def __post_init__(self) -> None:
+        if not self.verify or not self.draft:
+            raise ValueError("a cost model needs at least one verify and one draft point")
+        self.verify = _monotone(sorted((int(n), float(t)) for n, t in self.verify))
+        self.draft = _monotone(sorted((int(n), float(t)) for n, t in self.draft))
+
+    def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
+        return self.scale_verify * _interp(self.verify, tokens)
+
+    def draft_time(self, requests: int) -> float:
+        return float(self.scale_draft * _interp(self.draft, requests))
+
+    def _far(self, scale: float) -> bool:
+        return not (1.0 / self.drift <= scale <= self.drift)
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        self.scale_verify = _ema(self.scale_verify, seconds / max(1e-9, float(_interp(self.verify, tokens))),
+                                 self.ema)
+        self.far_verify = self.far_verify + 1 if self._far(self.scale_verify) else 0
+
+    def observe_draft(self, requests: int, seconds: float) -> None:
+        self.scale_draft = _ema(self.scale_draft, seconds / max(1e-9, float(_interp(self.draft, requests))),
+                                self.ema)
+        self.far_draft = self.far_draft + 1 if self._far(self.scale_draft) else 0
+
+    @property
+    def stale(self) -> bool:
+        return max(self.far_verify, self.far_draft) >= self.patience
+
+    def rebase(self) -> None:
+        """Fold the online corrections into the curves (after a stale profile was detected)."""
+        self.verify = [(n, t * self.scale_verify) for n, t in self.verify]
+        self.draft = [(n, t * self.scale_draft) for n, t in self.draft]
+        self.scale_verify = self.scale_draft = 1.0
+        self.far_verify = self.far_draft = 0
+        self.rebased += 1
+
+    def to_dict(self) -> dict:
+        return {"verify": [list(p) for p in self.verify], "draft": [list(p) for p in self.draft],
+                "source": self.source}
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str | None = None) -> CostModel:
+        return cls(verify=[tuple(p) for p in d["verify"]], draft=[tuple(p) for p in d["draft"]],
+                   source=source or d.get("source", "given"))
+
+
+def _ema(old: float, new: float, a: float) -> float:
+    # Clamp single observations: a stalled step (GC, another process) must not swing the model.
+    new = min(max(new, 0.25 * old), 4.0 * old)
+    return (1 - a) * old + a * new
+
+
+def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Non-decreasing times: more tokens never cost less (profiling noise otherwise misleads)."""
+    out: list[tuple[int, float]] = []
+    for n, t in points:
+        if out and n == out[-1][0]:
+            out[-1] = (n, max(out[-1][1], t))
+            continue
+        out.append((n, max(t, out[-1][1] if out else t)))
+    return out
+
+
+def _interp(points: list[tuple[int, float]], x):
+    xs = np.array([p[0] for p in points], dtype=np.float64)
+    ys = np.array([p[1] for p in points], dtype=np.float64)
+    xa = np.asarray(x, dtype=np.float64)
+    y = np.interp(xa, xs, ys)
+    if len(xs) >= 2:
+        slope = max(0.0, (ys[-1] - ys[-2]) / max(1e-9, xs[-1] - xs[-2]))
+        y = np.where(xa > xs[-1], ys[-1] + slope * (xa - xs[-1]), y)
+    return y if y.ndim else float(y)
+
+
+def profile_sizes(max_tokens: int) -> list[int]:
+    sizes, n = [], 1
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    sizes.append(max_tokens)
+    return sorted(set(sizes))
+
+
+def load_cached(path: Path) -> CostModel | None:
+    try:
+        return CostModel.from_dict(json.loads(path.read_text()), source=f"cache {path}")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_cached(path: Path, model: CostModel) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(model.to_dict(), indent=1))
+    os.replace(tmp, path)
