@@ -79,13 +79,16 @@ def dspark_spec(draft: str, block: int = 7, **dspark) -> dict:
 
 
 def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
-    """Issue 9's comparison: no speculation, n-gram, the DFlash-style ablation, DSpark (defaults)."""
+    """No speculation, n-gram, the DFlash-style ablation, DSpark (defaults) and DSpark verifying every draft."""
     out = [EngineConfig("no-spec"),
            EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block, "prompt_lookup_max": 4,
                                   "prompt_lookup_min": 2})]
     if pair.ablation:
         out.append(EngineConfig("dflash-ablation", dspark_spec(pair.ablation, block)))
     out.append(EngineConfig("dspark", dspark_spec(pair.draft, block)))
+    # Every draft verified: the drafter's acceptance, which the budget's selectivity cannot flatter,
+    # and the fixed length the budget's speed is held against.
+    out.append(EngineConfig("dspark-fixed", dspark_spec(pair.draft, block, verification="fixed")))
     return out
 
 
