@@ -46,6 +46,8 @@ def register() -> None:
         from vllm_dspark import patch
 
         _state["patches"] = patch.apply_all(version)
+        # The registry names are vLLM's, derived from the draft's architecture: on V1 a DSpark export
+        # takes the DFlash path ("DFlash" + "DSparkDraftModel"); on V2 SpeculativeConfig renames it.
         ModelRegistry.register_model("DFlashDSparkDraftModel",
                                      "vllm_dspark.spec_decode.v1.model:DSparkV1DraftModel")
     else:

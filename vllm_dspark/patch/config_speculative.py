@@ -39,7 +39,6 @@ from vllm_dspark.serving.validate import read_dspark_draft, validate_draft_for_s
 
 logger = logging.getLogger("vllm_dspark")
 
-DSPARK_V1_ARCH = "DFlashDSparkDraftModel"
 
 def _uses_v1_runner() -> bool:
     import vllm.envs as envs
