@@ -214,14 +214,44 @@ def context_table(args, work: Path, model, embed) -> dict:
     return table
 
 
+def _trained_drafter(run: Path):
+    """The drafter a training run produced, and None or how it fell short.
+
+    A finished run left ``final.pt``. A run the gate stopped left its checkpoint and a
+    record with ``finished`` false: that drafter is exported as trained so far (the
+    export says so), since the issue ships a drafter that beats the old one even when the
+    recipe misses its gate.
+    """
+    import torch
+
+    from vllm_dspark.config import DSparkConfig
+    from vllm_dspark.model.reference import DSparkDraftModel
+    from vllm_dspark.tools.training.trainer import fold_aux_scale
+
+    stopped = None
+    if (run / "final.pt").exists():
+        ck = torch.load(run / "final.pt", weights_only=False)
+        cfg, state = ck["config"], ck["state"]
+    else:
+        rec_path, ck_path = run / "record.json", run / "ckpt.pt"
+        if not (rec_path.exists() and ck_path.exists()):
+            raise RuntimeError(f"{run.name} is not trained (no final.pt, no checkpoint); run --stages {run.name}")
+        rec = json.loads(rec_path.read_text())
+        ck = torch.load(ck_path, weights_only=False)
+        cfg, state = rec["config"], ck["model"]
+        stopped = (f"stopped by the gate at step {ck['step']} of {rec['args']['steps']} "
+                   f"(learning rate not annealed); exported from its checkpoint")
+    model = DSparkDraftModel(DSparkConfig.from_dict(cfg))
+    model.load_state_dict(state)
+    if stopped:
+        fold_aux_scale(model, ck.get("aux_scale"))
+    return model.eval(), stopped
+
+
 def stage_export(args, work: Path) -> None:
     import shutil
 
-    import torch
-
     from vllm_dspark.checkpoint.io import load_reference_model
-    from vllm_dspark.config import DSparkConfig
-    from vllm_dspark.model.reference import DSparkDraftModel
     from vllm_dspark.tools.training.export import export_drafter
     from vllm_dspark.tools.training.trainer import plot_curves
 
@@ -242,10 +272,10 @@ def stage_export(args, work: Path) -> None:
             log(f"[export] {kind}: {kept[kind]}")
             evals[kind] = final_evals(args, work, model, embed)
             continue
-        ck = torch.load(work / kind / "final.pt", weights_only=False)
-        model = DSparkDraftModel(DSparkConfig.from_dict(ck["config"]))
-        model.load_state_dict(ck["state"])
-        model.eval()
+        model, stopped = _trained_drafter(work / kind)
+        if stopped:
+            kept[kind] = stopped
+            log(f"[export] {kind}: {stopped}")
         if (out / kind).exists():
             shutil.rmtree(out / kind)
         export_drafter(model, out / kind, bos_token_id=1, eos_token_id=2, pad_token_id=2)
@@ -272,7 +302,7 @@ def stage_export(args, work: Path) -> None:
         "training": {k: {"steps": r["steps_run"], "blocks": r["blocks"], "seconds": r["train_seconds"],
                          "blocks_per_s": round(r["blocks"] / max(r["train_seconds"], 1e-9), 1)}
                      for k, r in records.items()},
-        "eval_teacher_forced": evals, "context_table": ctx, "not_retrained": kept,
+        "eval_teacher_forced": evals, "context_table": ctx, "shortfalls": kept,
         "machine": machine_description()}
     (out / "train_info.json").write_text(json.dumps(info, indent=1) + "\n")
 
