@@ -132,7 +132,12 @@ def test_sampled_requests_prove_themselves_separately(wrong_head):
     assert all(len(t) == MAX_TOKENS for t in sampled_tokens)
     st = report["stats"]
     assert st["steps_probed"] > greedy["stats"]["steps_probed"], (greedy["stats"], st)
-    assert st["tokens_accepted"] == 0
+    # A sampled draft is accepted with probability min(1, p/q) even when it is wrong, so acceptance
+    # here is by chance: rare, not zero (CI once saw 1). The greedy run before accepted none.
+    assert greedy["stats"]["tokens_accepted"] == 0, greedy["stats"]
+    verified = st["tokens_verified_observed"] - greedy["stats"]["tokens_verified_observed"]
+    accepted = st["tokens_accepted"] - greedy["stats"]["tokens_accepted"]
+    assert verified > 0 and accepted <= max(1, verified // 4), (verified, accepted, st)
     # Probes of sampled requests were verified and rejected: the sampled level fell below its prior.
     greedy_level, sampled_level = (lv[0] for lv in report["calibration"]["levels"])
     assert sampled_level < 0.1 and greedy_level < 0.1, report["calibration"]["levels"]
