@@ -195,8 +195,18 @@ def _params(max_tokens: int, temp: float, ignore_eos: bool = False):
 
 
 def _generate(llm, cell: list, c: int, params) -> tuple[list[list[int]], float]:
-    """The cell's prompts ``c`` at a time: (output token ids per prompt, seconds)."""
+    """The cell's prompts ``c`` at a time: (output token ids per prompt, seconds).
+
+    The prefix cache is emptied first. Repeats send the same prompts again, and without a
+    speculator vLLM reuses their cached blocks; with a hidden-state drafter (EAGLE, DFlash,
+    DSpark) it drops the last cached block of every hit (``use_eagle_block_drop``): on CPU a
+    block holds 128 tokens, so a prompt under 256 tokens never hits. Kept, the repeats would
+    time prefix-cache hits on one side and prefill on the other (at C = 32 on HumanEval that
+    was the whole gap between no speculation and a DSpark step that drafts nothing), not the
+    decoding the benchmark compares.
+    """
     outputs: list[list[int]] = []
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     for i in range(0, len(cell), c):
         outs = llm.generate(_inputs(cell[i:i + c]), params, use_tqdm=False)
@@ -268,7 +278,7 @@ def _is_dspark(configs: list[EngineConfig], name: str) -> bool:
 
 def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
                     temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
-                    log=print, kv_cache_gib: int = 2) -> list[dict]:
+                    log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
     """Every configuration's engine alive at once; each cell measured ``repeats`` times, interleaved.
 
     Per cell the engines run in turn (A B C, then B C A, ...), so drift of this
@@ -295,7 +305,7 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
             llm.generate(_inputs(warm), _params(8, 0.0), use_tqdm=False)
         rows = []
         for ds, temp, c, cell in _cells(datasets, temperatures, concurrencies, prompts_per_cell):
-            params = _params(max_tokens, temp)
+            params = _params(max_tokens, temp, ignore_eos)
             reports0 = {n: dspark_report(engines[n]) for n in engines if _is_dspark(configs, n)}
             rates: dict[str, list[float]] = {n: [] for n in engines}
             outputs: dict[str, list] = {}
