@@ -244,11 +244,19 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats per cell, every engine alive (1: one engine at a time, in turn)")
+    ap.add_argument("--no-cpu-setup", action="store_true",
+                    help="run without vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded; on by default)")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
+                         "measured: the invented turns after it are repetitive and easy to draft)")
     ap.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from --out's "
                     "results.json")
     args = ap.parse_args()
     if args.report_only:
         return rewrite_report(Path(args.out))
+    from vllm_dspark.tools.bench import cpu_setup
+
+    cpu_setup.reexec_with(not args.no_cpu_setup)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
@@ -296,14 +304,16 @@ def main() -> int:
     if args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                                max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
-                               log=lambda m: print(m, flush=True))
+                               log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos)
     for i, cfg in enumerate(configs if args.repeats <= 1 else []):
         print(f"== [{i + 1}/{len(configs)}] {cfg.name} ==", flush=True)
         rows += run_engine(pair, cfg, datasets, concurrencies=conc, temperatures=temps, max_tokens=args.max_tokens,
-                           prompts_per_cell=per_cell, log=lambda m: print(m, flush=True))
+                           prompts_per_cell=per_cell, log=lambda m: print(m, flush=True),
+                           ignore_eos=args.ignore_eos)
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "ignore_eos": args.ignore_eos,
             "machine": describe_cpu(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}

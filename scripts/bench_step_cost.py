@@ -105,6 +105,10 @@ def parse_args(argv=None):
                     help="re-take only the profiler pass of the dtypes in --out/results.json (timed cells kept)")
     ap.add_argument("--append", action="store_true",
                     help="keep the other dtypes already in --out/results.json (measure one dtype per run)")
+    ap.add_argument("--cpu-setup", action="store_true",
+                    help="run with vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded). Off by default: it "
+                         "speeds vLLM's engines and slows the plain-PyTorch floor (docs/benchmarks/"
+                         "step-cost-cpu-setup), so ratios to the floor would flatter vLLM")
     ap.add_argument("--quick", action="store_true", help="smoke test: few cells, short, one repeat")
     a = ap.parse_args(argv)
     q = a.quick
@@ -453,7 +457,8 @@ def report(result: dict) -> str:
          f"avx512_bf16: **{'yes' if cpu.get('avx512_bf16') else 'NO (bf16 emulated)'}**; "
          f"bf16/AMX flags: {', '.join(cpu.get('bf16_flags') or []) or 'none'}.",
          f"- Software: vLLM {result.get('vllm')}, torch {result.get('torch')}; {a['threads']} threads per process; "
-         f"eager mode; prefix caching on; no LD_PRELOAD (vLLM's tcmalloc/iomp advice not applied).",
+         f"eager mode; prefix caching on; " + (f"LD_PRELOAD {result['ld_preload']}." if result.get("ld_preload")
+                                               else "no LD_PRELOAD (vLLM's tcmalloc/iomp advice not applied)."),
          f"- Cells: >= {a['min_seconds']} s and >= {a['min_steps']} steps each, {a['repeats']} interleaved "
          f"repeats; value = median step of a cell; shown as median [min-max] over repeats. "
          f"Prompts {a['prompt_len']} tokens (random ids, distinct per request); floor cache {a['floor_context']} "
@@ -692,6 +697,10 @@ def main(argv=None) -> int:
     import signal
 
     args = parse_args(argv)
+    from vllm_dspark.tools.bench import cpu_setup
+
+    if argv is None:  # run as a script (the re-exec repeats its command line)
+        cpu_setup.reexec_with(args.cpu_setup)
     # SIGTERM/SIGHUP end the run through the finally blocks (the worker processes are closed).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
@@ -707,6 +716,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     command = " ".join([".venv/bin/python scripts/bench_step_cost.py", *(argv if argv is not None else sys.argv[1:])])
     result: dict = {"command": command, "machine": S.machine_record(), "pair": paths,
+                    "ld_preload": os.environ.get("LD_PRELOAD", ""),
                     "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                     "dtypes": {}, "notes": []}
     old = args.out / "results.json"

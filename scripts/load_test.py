@@ -549,7 +549,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=150)
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--only", choices=("dspark", "nospec"), help="run one configuration (no comparison)")
+    p.add_argument("--no-cpu-setup", action="store_true",
+                   help="serve without vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded; on by default)")
     args = p.parse_args(argv)
+    if argv is None:  # run as a script: the servers it starts inherit the preloads
+        from vllm_dspark.tools.bench import cpu_setup
+
+        cpu_setup.reexec_with(not args.no_cpu_setup)
 
     t_start = time.monotonic()
     out = Path(args.out)

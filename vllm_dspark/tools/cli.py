@@ -138,6 +138,17 @@ def _cmd_default(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cpu_preload(args: argparse.Namespace) -> int:
+    from vllm_dspark.tools.bench import cpu_setup
+
+    value, missing = cpu_setup.preload_value()
+    if missing:
+        print(f"vllm-dspark cpu-preload: not found: {', '.join(missing)}", file=sys.stderr)
+        return 1
+    print(value)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_dspark.tools.deploy.plan import add_plan_parser
 
@@ -156,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prepare", action="store_true",
                    help="convert the target from its GGUF into the cache first (once; later runs only check)")
     d.set_defaults(func=_cmd_default)
+    c = sub.add_parser("cpu-preload", help="the LD_PRELOAD value of vLLM's CPU set-up (tcmalloc + Intel OpenMP), "
+                                           "for example LD_PRELOAD=\"$(vllm-dspark cpu-preload)\" vllm serve ...")
+    c.set_defaults(func=_cmd_cpu_preload)
     return parser
 
 

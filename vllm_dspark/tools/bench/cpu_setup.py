@@ -16,7 +16,17 @@ torch's ``libgomp`` to ``LD_PRELOAD`` only when no OpenMP runtime is there
 already, so it does not load a second one.
 
 ``LD_PRELOAD`` is read when a process starts: :func:`reexec_with` restarts the
-calling script once with it set, so every process vLLM starts inherits it.
+calling script once with it set, so every process vLLM starts inherits it. The
+demo, ``bench_e2e.py`` and ``load_test.py`` do so unless ``--no-cpu-setup``
+(``bench_step_cost.py`` only with ``--cpu-setup``, see below);
+``vllm-dspark cpu-preload`` prints the value for a user's own ``vllm serve`` or
+``batch_generate.py``.
+
+Measured here (``docs/benchmarks/cpu-setup``, bf16, batch 1): plain decoding
+1.19-1.22x faster with it, DSpark 1.13-1.15x, n-gram 1.03-1.08x. The plain
+PyTorch floor of ``bench_step_cost.py`` is *slower* with it (31.8 against 26.4 ms
+at batch 1, 495 against 353 ms for 8 tokens at batch 32), so that benchmark's
+ratios to the floor are taken without it.
 """
 
 from __future__ import annotations
@@ -47,9 +57,17 @@ def preload_value() -> tuple[str, list[str]]:
     return ":".join(have + [p for p in current if p not in have]), missing
 
 
+def gpu_host() -> bool:
+    """An NVIDIA driver is present: vLLM runs its GPU backend here, for which this set-up is not meant."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def reexec_with(enable: bool, log=print) -> None:
-    """Restart this script once with the preloads (``enable``), or make sure they are absent."""
-    if os.environ.get(_MARK) == ("1" if enable else "0"):
+    """Restart this script once with the preloads (``enable``), or make sure they are absent.
+
+    On a GPU host nothing is changed: the set-up is vLLM's advice for its CPU backend.
+    """
+    if os.environ.get(_MARK) == ("1" if enable else "0") or gpu_host():
         return
     env = dict(os.environ)
     env[_MARK] = "1" if enable else "0"
