@@ -101,3 +101,31 @@ def test_seeded_requests_repeat(rs):
                                    torch.zeros(batch, 1, dtype=torch.int64), md).tolist()
 
     assert run() == run() == run()
+
+
+def test_a_batch_without_drafts_is_sampled_once_without_a_copy():
+    """The no-draft shortcut hands the logits themselves to the sampler and counts the step."""
+    seen = []
+
+    class Sampler:
+        def __call__(self, logits, sampling_metadata, predict_bonus_token):
+            seen.append((logits, predict_bonus_token))
+            return SimpleNamespace(sampled_token_ids=logits.argmax(-1, keepdim=True))
+
+    forward = patch_module._make_forward(lambda *a: pytest.fail("the full rejection path ran"))
+    me = SimpleNamespace(sampler=Sampler())
+    logits = torch.randn(3, 17, generator=torch.Generator().manual_seed(1))
+    md = SimpleNamespace(max_spec_len=0, bonus_logits_indices=torch.arange(3))
+    sm = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=None)
+    out = forward(me, md, None, logits, sm)
+    assert seen[0][0] is logits and seen[0][1] is True
+    assert out.sampled_token_ids.dtype == torch.int32 and out.sampled_token_ids.shape == (3, 1)
+    assert out.sampled_token_ids.view(-1).tolist() == logits.argmax(-1).tolist()
+    assert me.dspark_no_draft_steps == 1
+    # Rows beyond the bonus rows (not a shape the runner sends without drafts) are gathered.
+    md2 = SimpleNamespace(max_spec_len=0, bonus_logits_indices=torch.tensor([0, 2]))
+    out2 = forward(me, md2, None, logits, sm)
+    assert out2.sampled_token_ids.view(-1).tolist() == logits[[0, 2]].argmax(-1).tolist()
+    # A batch with drafts takes the full path.
+    with pytest.raises(pytest.fail.Exception):
+        forward(me, SimpleNamespace(max_spec_len=2, bonus_logits_indices=torch.arange(3)), None, logits, sm)
