@@ -95,7 +95,8 @@ def main() -> int:
     for q, ids in list(zip(questions, ds["outputs"]))[: args.show]:
         print(f">>> {q}\n{tok.decode(ids, skip_special_tokens=True).strip()}\n")
     lo, hi = ds["speedup_spread"]
-    per_pos = " ".join(f"{a:.2f}" for a in ds["per_position_acceptance"])
+    per_pos = " ".join(f"{a:.2f}" for a in ds["per_position_acceptance"]) or "-"
+    st = ds["dspark"]["stats"]
     mean_len = sum(len(o) for o in ds["outputs"]) / len(ds["outputs"])
     print("-- results (measured in this run) --")
     print(f"| {'':24} | {'no speculation':>14} | {'DSpark':>10} |")
@@ -105,6 +106,8 @@ def main() -> int:
     print(f"| {'speed-up spread':24} | {'':14} | {lo:.2f}-{hi:.2f}x |")
     print(f"| {'mean acceptance length':24} | {'':14} | {ds['mean_acceptance_length']:10.2f} |")
     print(f"per-position acceptance: {per_pos}; mean answer {mean_len:.0f} tokens")
+    print(f"steps that drafted: {st['steps_drafted']} of {st['steps']} ({st['steps_probed']} probes); "
+          f"draft tokens verified {st['tokens_verified_observed']}, accepted {st['tokens_accepted']}")
     if same is not None:
         print(f"greedy outputs identical to no speculation (float32): {sum(same)}/{len(same)}")
     return 0 if same is None or all(same) else 1
