@@ -34,3 +34,18 @@ def test_same_shapes_noise_weights_and_a_confident_head(tmp_path):
 def test_bad_confidence_is_refused(tmp_path):
     with pytest.raises(ValueError, match="confidence must be in"):
         never_accepted_drafter(TOY_DRAFTER, tmp_path / "na", confidence=1.0)
+
+
+def test_rebuilt_when_the_drafter_it_imitates_changes(tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(TOY_DRAFTER, src)
+    out = never_accepted_drafter(src, tmp_path / "na")
+    cfg = load_checkpoint(out)[0]
+    text = (src / "config.json").read_text()
+    key = '"max_position_embeddings": '
+    old = int(text.split(key, 1)[1].split(",", 1)[0])
+    (src / "config.json").write_text(text.replace(f"{key}{old}", f"{key}{old * 2}", 1))
+    never_accepted_drafter(src, tmp_path / "na")
+    assert load_checkpoint(out)[0].max_position_embeddings == 2 * old != cfg.max_position_embeddings

@@ -8,6 +8,7 @@ wrong. A budget that took the head's word would verify every draft.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from pathlib import Path
 
@@ -16,13 +17,26 @@ import torch
 from vllm_dspark.checkpoint.io import load_checkpoint, save_checkpoint
 
 
+def _fingerprint(like: Path) -> str:
+    """sha256 of the source drafter's config and weights (26 MB for the default pair: a fraction of a second)."""
+    h = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        with open(like / name, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return f"sha256={h.hexdigest()[:16]}"
+
+
 def never_accepted_drafter(like: str | Path, out_dir: str | Path, *, confidence: float = 0.9,
                            seed: int = 0, scale: float = 0.02) -> Path:
     """Write the drafter into ``out_dir`` (reused when present with the same recipe) and return it."""
     if not 0.0 < confidence < 1.0:
         raise ValueError(f"confidence must be in (0, 1), not {confidence}")
     out = Path(out_dir)
-    recipe = f"like={Path(like).resolve()} confidence={confidence} seed={seed} scale={scale}"
+    # The source's files are part of the recipe: a drafter retrained in place (another trained
+    # context, so another draft window) must not leave the worst case built from the old one.
+    recipe = (f"like={Path(like).resolve()} {_fingerprint(Path(like))} confidence={confidence} seed={seed} "
+              f"scale={scale}")
     stamp = out / "RECIPE"
     if stamp.is_file() and stamp.read_text() == recipe and (out / "model.safetensors").is_file():
         return out
