@@ -229,6 +229,8 @@ def rewrite_report(out: Path) -> int:
 
 
 def main() -> int:
+    from vllm_dspark.tools.bench import cpu_setup
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=("default", "never-lose", "verification"), default="default")
     ap.add_argument("--pair", choices=("smollm2", "toy"), default="smollm2")
@@ -244,8 +246,7 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats per cell, every engine alive (1: one engine at a time, in turn)")
-    ap.add_argument("--no-cpu-setup", action="store_true",
-                    help="run without vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded; on by default)")
+    cpu_setup.add_flag(ap)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
                          "measured: the invented turns after it are repetitive and easy to draft)")
@@ -254,15 +255,12 @@ def main() -> int:
     args = ap.parse_args()
     if args.report_only:
         return rewrite_report(Path(args.out))
-    from vllm_dspark.tools.bench import cpu_setup
-
     cpu_setup.reexec_with(not args.no_cpu_setup)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
     from dataclasses import replace
 
-    from vllm_dspark.tools.bench.cpu_setup import describe as describe_cpu
     from vllm_dspark.tools.bench.e2e import (
         default_pair,
         never_lose_configs,
@@ -314,7 +312,7 @@ def main() -> int:
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
             "ignore_eos": args.ignore_eos,
-            "machine": describe_cpu(),
+            "machine": cpu_setup.describe(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}
     slim = [{k: v for k, v in r.items() if k != "outputs"} for r in rows]

@@ -697,9 +697,9 @@ def main(argv=None) -> int:
     import signal
 
     args = parse_args(argv)
-    from vllm_dspark.tools.bench import cpu_setup
-
     if argv is None:  # run as a script (the re-exec repeats its command line)
+        from vllm_dspark.tools.bench import cpu_setup
+
         cpu_setup.reexec_with(args.cpu_setup)
     # SIGTERM/SIGHUP end the run through the finally blocks (the worker processes are closed).
     for sig in (signal.SIGTERM, signal.SIGHUP):

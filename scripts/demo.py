@@ -35,17 +35,17 @@ sys.path.insert(0, str(ROOT))
 
 
 def main() -> int:
+    from vllm_dspark.tools.bench import cpu_setup
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=192, help="cap on each answer (it stops at end of turn)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--show", type=int, default=2, help="answers to print")
     ap.add_argument("--skip-identity", action="store_true", help="skip the float32 identity check")
-    ap.add_argument("--no-cpu-setup", action="store_true")
+    cpu_setup.add_flag(ap)
     ap.add_argument("--verbose", action="store_true", help="show vLLM's INFO logs")
     args = ap.parse_args()
-    from vllm_dspark.tools.bench import cpu_setup
-
     cpu_setup.reexec_with(not args.no_cpu_setup)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

@@ -530,6 +530,8 @@ def has_chat_template(target: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from vllm_dspark.tools.bench import cpu_setup
+
     p = argparse.ArgumentParser(description="Bounded load and fault test of vllm serve with DSpark vs without.")
     p.add_argument("--target", help="target model directory (default: the default pair's)")
     p.add_argument("--draft", help="DSpark drafter directory (default: the default pair's)")
@@ -549,12 +551,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=150)
     p.add_argument("--start-timeout", type=float, default=300)
     p.add_argument("--only", choices=("dspark", "nospec"), help="run one configuration (no comparison)")
-    p.add_argument("--no-cpu-setup", action="store_true",
-                   help="serve without vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded; on by default)")
+    cpu_setup.add_flag(p)
     args = p.parse_args(argv)
     if argv is None:  # run as a script: the servers it starts inherit the preloads
-        from vllm_dspark.tools.bench import cpu_setup
-
         cpu_setup.reexec_with(not args.no_cpu_setup)
 
     t_start = time.monotonic()

