@@ -289,6 +289,12 @@ def main() -> int:
     else:
         configs = standard_configs(pair) if args.suite == "default" else verification_configs(pair)
     if args.configs:
+        names = [c.name for c in configs]
+        unknown = [n for n in args.configs.split(",") if n not in names]
+        if unknown:
+            print(f"bench_e2e: --configs {','.join(unknown)}: not in the {args.suite} suite of the {pair.name} pair "
+                  f"({', '.join(names)})", file=sys.stderr)
+            return 2
         configs = [c for c in configs if c.name in args.configs.split(",")]
     per1 = args.prompts or 8
 
