@@ -9,6 +9,7 @@ from vllm_dspark.patch import (  # noqa: F401  (registration)
     engine_arg_utils,
     platforms_cpu,
     v1_sample_rejection_sampler,
+    v1_spec_decode_ngram_proposer,
     worker_cpu_worker,
     worker_gpu_model_runner,
     worker_gpu_worker,

@@ -4,12 +4,19 @@ Each patch lives in its own file under ``vllm_dspark/patch/``, named after the
 upstream module it changes. A ``Patch`` records what it changes, why, the vLLM
 versions it was written for and what would let it go. Originals are kept, so
 ``restore_all()`` puts vLLM back exactly as it was (the tests use this).
+
+A ``lazy`` patch is for a module the plugin must not import itself (the n-gram
+proposer pulls in numba, and vLLM's CPU worker scans every loaded module for
+kernels to override): it is applied as soon as something else imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +37,10 @@ class Patch:
     removable_when: str
     make: Callable[[Any], Any]  # original -> replacement
     rebind_in: tuple[str, ...] = ()  # other modules that imported the name directly
+    lazy: bool = False  # applied when ``module`` is first imported, if it is not yet
+    prepare: Callable[[], object] | None = None  # a lazy patch's work just before its module runs
     _original: Any = field(default=None, repr=False)
+    _hook: Any = field(default=None, repr=False)
     applied: bool = False
 
     def _owner_and_name(self):
@@ -42,8 +52,15 @@ class Patch:
         return owner, parts[-1]
 
     def apply(self) -> None:
-        if self.applied:
+        if self.applied or self._hook is not None:
             return
+        if self.lazy and self.module not in sys.modules:
+            self._hook = _ApplyOnImport(self)
+            sys.meta_path.insert(0, self._hook)
+            return
+        self._apply_now()
+
+    def _apply_now(self) -> None:
         owner, name = self._owner_and_name()
         original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         replacement = self.make(original)
@@ -57,6 +74,7 @@ class Patch:
         self.applied = True
 
     def restore(self) -> None:
+        self._drop_hook()
         if not self.applied:
             return
         owner, name = self._owner_and_name()
@@ -67,6 +85,42 @@ class Patch:
             if getattr(m, name, None) is replacement:
                 setattr(m, name, self._original)
         self.applied = False
+
+
+    def _drop_hook(self) -> None:
+        if self._hook is not None:
+            if self._hook in sys.meta_path:
+                sys.meta_path.remove(self._hook)
+            self._hook = None
+
+
+class _ApplyOnImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the real loader of one module so that its patch is applied
+    right after the module has run."""
+
+    def __init__(self, patch: Patch):
+        self.patch = patch
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.patch.module:
+            return None
+        sys.meta_path.remove(self)  # the real finders answer, and this hook fires once
+        if self.patch.prepare is not None:
+            self.patch.prepare()
+        spec = importlib.util.find_spec(fullname)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            self.patch._hook = None
+            return spec
+        patch, run = self.patch, loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            patch._hook = None
+            patch._apply_now()
+
+        loader.exec_module = exec_module
+        return spec
 
 
 PATCHES: list[Patch] = []
