@@ -24,6 +24,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _ratio(a: list[float], b: list[float]) -> str:
+    r = sorted(x / y for x, y in zip(a, b, strict=True))
+    return f"{r[len(r) // 2]:.2f}x [{r[0]:.2f}-{r[-1]:.2f}]"
+
+
+def tables(rows: list[dict], datasets) -> list[str]:
+    """With / without the preloads per config, and each config against no speculation in the same set-up
+    (median [min-max] of the per-repeat ratios: repeat i of both ran in the same round)."""
+    by = {(r["config"], r["dataset"]): r for r in rows}
+    lines = ["| dataset | config | tok/s without | tok/s with preloads | with / without |", "|---|---|---|---|---|"]
+    same = ["", "Against no speculation in the same set-up:", "",
+            "| dataset | config | without the preloads | with them |", "|---|---|---|---|"]
+    for ds in datasets:
+        for name in ("no-spec", "ngram", "dspark"):
+            a, b = by[(name, ds)], by[(f"{name}+preload", ds)]
+            lines.append(f"| {ds} | {name} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
+                         f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x |")
+            if name != "no-spec":
+                base, base_p = by[("no-spec", ds)]["repeats"], by[("no-spec+preload", ds)]["repeats"]
+                same.append(f"| {ds} | {name} | {_ratio(a['repeats'], base)} | {_ratio(b['repeats'], base_p)} |")
+    return lines + same
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
@@ -56,13 +79,7 @@ def main() -> int:
                            log=lambda m: print(m, flush=True), kv_cache_gib=1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    by = {(r["config"], r["dataset"]): r for r in rows}
-    lines = ["| dataset | config | tok/s without | tok/s with preloads | with / without |", "|---|---|---|---|---|"]
-    for ds in datasets:
-        for name in ("no-spec", "ngram", "dspark"):
-            a, b = by[(name, ds)], by[(f"{name}+preload", ds)]
-            lines.append(f"| {ds} | {name} | {a['tokens_per_s']:.1f} | {b['tokens_per_s']:.1f} | "
-                         f"{b['tokens_per_s'] / a['tokens_per_s']:.2f}x |")
+    lines = tables(rows, datasets)
     meta = {"machine": cpu_setup.describe(), "preload": preload, "without": plain, "repeats": args.repeats,
             "max_tokens": args.max_tokens, "prompts": args.prompts, "dtype": "bfloat16",
             "seconds": round(time.monotonic() - t0), "command": " ".join(sys.argv)}
