@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urljoin
 
-from vllm_dspark.cache import cache_dir
+from vllm_dspark.cache import cache_dir, file_sha256
 
 PYPI = "https://pypi.org/pypi"
 
@@ -73,14 +73,6 @@ def sdist_release(project: str, version: str, *, timeout: float = 30.0) -> tuple
     raise UpstreamUnavailable(f"can't locate the sdist of {project} {version} on PyPI: " + "; ".join(errors))
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def fetch_sdist(project: str = "vllm", version: str = "0.33.0", *, directory: Path | None = None,
                 timeout: float = 120.0) -> Path:
     """The sdist of ``project==version``, downloaded once and verified against PyPI's sha256.
@@ -93,7 +85,7 @@ def fetch_sdist(project: str = "vllm", version: str = "0.33.0", *, directory: Pa
     stem = f"{project}-{version}"
     for cached in directory.glob(f"{stem}.tar.gz"):
         digest_file = cached.with_name(cached.name + ".sha256")
-        if digest_file.is_file() and _sha256(cached) == digest_file.read_text().strip():
+        if digest_file.is_file() and file_sha256(cached) == digest_file.read_text().strip():
             return cached
     url, sha256, filename = sdist_release(project, version)
     directory.mkdir(parents=True, exist_ok=True)

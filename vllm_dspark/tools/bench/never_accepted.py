@@ -14,17 +14,14 @@ from pathlib import Path
 
 import torch
 
+from vllm_dspark.cache import file_sha256
 from vllm_dspark.checkpoint.io import load_checkpoint, save_checkpoint
 
 
 def _fingerprint(like: Path) -> str:
     """sha256 of the source drafter's config and weights (26 MB for the default pair: a fraction of a second)."""
-    h = hashlib.sha256()
-    for name in ("config.json", "model.safetensors"):
-        with open(like / name, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
-    return f"sha256={h.hexdigest()[:16]}"
+    digests = " ".join(file_sha256(like / name) for name in ("config.json", "model.safetensors"))
+    return f"sha256={hashlib.sha256(digests.encode()).hexdigest()[:16]}"
 
 
 def never_accepted_drafter(like: str | Path, out_dir: str | Path, *, confidence: float = 0.9,
