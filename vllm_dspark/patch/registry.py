@@ -38,7 +38,7 @@ class Patch:
     make: Callable[[Any], Any]  # original -> replacement
     rebind_in: tuple[str, ...] = ()  # other modules that imported the name directly
     lazy: bool = False  # applied when ``module`` is first imported, if it is not yet
-    prepare: Callable[[], object] | None = None  # a lazy patch's work just before its module runs
+    prepare: Callable[[], None] | None = None  # a lazy patch's work just before its module runs
     _original: Any = field(default=None, repr=False)
     _hook: Any = field(default=None, repr=False)
     applied: bool = False
@@ -61,6 +61,8 @@ class Patch:
         self._apply_now()
 
     def _apply_now(self) -> None:
+        if self.applied:  # a lazy patch's module may call apply_all while it runs
+            return
         owner, name = self._owner_and_name()
         original = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
         replacement = self.make(original)
@@ -86,7 +88,6 @@ class Patch:
                 setattr(m, name, self._original)
         self.applied = False
 
-
     def _drop_hook(self) -> None:
         if self._hook is not None:
             if self._hook in sys.meta_path:
@@ -105,18 +106,17 @@ class _ApplyOnImport(importlib.abc.MetaPathFinder):
         if fullname != self.patch.module:
             return None
         sys.meta_path.remove(self)  # the real finders answer, and this hook fires once
+        self.patch._hook = None
         if self.patch.prepare is not None:
             self.patch.prepare()
         spec = importlib.util.find_spec(fullname)
         loader = getattr(spec, "loader", None)
         if loader is None or not hasattr(loader, "exec_module"):
-            self.patch._hook = None
             return spec
         patch, run = self.patch, loader.exec_module
 
         def exec_module(module):
             run(module)
-            patch._hook = None
             patch._apply_now()
 
         loader.exec_module = exec_module

@@ -32,15 +32,13 @@ logger = logging.getLogger("vllm_dspark")
 _ENV = "NUMBA_NUM_THREADS"
 
 
-def size_numba_pool() -> int | None:
+def size_numba_pool() -> None:
     """Set ``NUMBA_NUM_THREADS`` to torch's thread count if numba is not loaded and the user left it unset."""
     if _ENV in os.environ or "numba" in sys.modules:
-        return None
+        return
     import torch
 
-    threads = torch.get_num_threads()
-    os.environ[_ENV] = str(threads)
-    return threads
+    os.environ[_ENV] = str(torch.get_num_threads())
 
 
 def _make(original):
