@@ -25,6 +25,12 @@ Speed is measured in ``--dtype`` (bf16 by default, the dtype users run). With
 run that many times, interleaved (A B C, B C A, ...); the speed-up is the
 median of the per-repeat ratios, with their spread.
 
+With ``--lockstep`` the engines run in this process and are stepped in turn,
+one engine step at a time, and a second no-speculation engine (``no-spec-b``)
+brackets the others as a control: each speed-up is against both controls, and
+the control's own row is the run's A/A (:mod:`vllm_dspark.tools.bench.lockstep`
+says why: on this machine it narrows an A/A from [0.93-1.04] to [1.008-1.020]).
+
 Writes ``results.json``, ``report.md`` and PNG plots (throughput, speed-up,
 per-position acceptance, the confidence head's reliability, where a step's
 time goes) into ``--out``.
@@ -246,6 +252,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--repeats", type=int, default=3,
                     help="interleaved repeats per cell, every engine alive (1: one engine at a time, in turn)")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="engines in this process, stepped in turn one step at a time, with a second no-spec "
+                         "engine as the control (resolves a few percent where cells back to back cannot)")
     cpu_setup.add_flag(ap)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
@@ -305,11 +314,17 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     t0 = time.monotonic()
-    if args.repeats > 1:
+    if args.lockstep:
+        from vllm_dspark.tools.bench.lockstep import run_lockstep
+
+        rows = run_lockstep(pair, configs, datasets, concurrencies=conc, temperatures=temps,
+                            max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
+                            log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos)
+    elif args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                                max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
                                log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos)
-    for i, cfg in enumerate(configs if args.repeats <= 1 else []):
+    for i, cfg in enumerate(configs if args.repeats <= 1 and not args.lockstep else []):
         print(f"== [{i + 1}/{len(configs)}] {cfg.name} ==", flush=True)
         rows += run_engine(pair, cfg, datasets, concurrencies=conc, temperatures=temps, max_tokens=args.max_tokens,
                            prompts_per_cell=per_cell, log=lambda m: print(m, flush=True),
@@ -317,7 +332,7 @@ def main() -> int:
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "ignore_eos": args.ignore_eos,
+            "lockstep": args.lockstep, "ignore_eos": args.ignore_eos,
             "machine": cpu_setup.describe(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}

@@ -1,0 +1,84 @@
+"""The lockstep benchmark: engines stepped in turn, the control's bracket, and a real run on the toy pair."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_dspark.tools.bench.e2e import EngineConfig, dspark_spec, toy_pair
+from vllm_dspark.tools.bench.lockstep import CONTROL, build_order, run_cell, run_lockstep, speedups
+
+
+class FakeEngine:
+    """An LLM whose engine finishes each request after ``steps_per_request`` steps of one token."""
+
+    def __init__(self, name: str, calls: list, steps_per_request: int):
+        self.name, self.calls, self.per = name, calls, steps_per_request
+        self.left: dict[str, int] = {}
+        self.resets = 0
+        self.llm_engine = self
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+    def add_request(self, rid, prompt, params):
+        self.left[rid] = self.per
+
+    def has_unfinished_requests(self):
+        return bool(self.left)
+
+    def step(self):
+        self.calls.append(self.name)
+        out = []
+        for rid in list(self.left):
+            self.left[rid] -= 1
+            if not self.left[rid]:
+                del self.left[rid]
+                out.append(SimpleNamespace(request_id=rid, finished=True,
+                                           outputs=[SimpleNamespace(token_ids=[1] * self.per)]))
+        return out
+
+
+def test_engines_take_one_step_each_in_turn_until_their_requests_are_done():
+    calls: list[str] = []
+    engines = {"a": FakeEngine("a", calls, 3), "b": FakeEngine("b", calls, 2)}
+    res = run_cell(engines, ["p0", "p1", "p2"], 2, None, ["b", "a"], "t")
+    # Two waves (2 prompts, then 1): b, a alternate while both run; a finishes its wave alone.
+    assert calls == ["b", "a", "b", "a", "a"] * 2
+    assert res["a"]["steps"] == 6 and res["b"]["steps"] == 4
+    assert res["a"]["tokens"] == 9 and res["b"]["tokens"] == 6
+    assert res["a"]["outputs"] == [[1, 1, 1]] * 3  # prompt order, every request finished
+    assert all(e.resets == 1 for e in engines.values())
+
+
+def test_the_control_brackets_the_drafters_and_ngram_comes_last():
+    cfgs = [EngineConfig("ngram", {"method": "ngram"}), EngineConfig("dspark", {"method": "dspark"}),
+            EngineConfig("no-spec"), EngineConfig("fixed", {"method": "dspark"})]
+    assert [c.name for c in build_order(cfgs)] == ["no-spec", "dspark", "fixed", CONTROL, "ngram"]
+    with pytest.raises(ValueError, match="needs the no-spec configuration"):
+        build_order([EngineConfig("dspark")])
+    with pytest.raises(ValueError, match="rename that configuration"):
+        build_order([EngineConfig("no-spec"), EngineConfig(CONTROL)])
+
+
+def test_speedups_are_against_both_controls_and_the_control_against_no_spec():
+    rates = {"no-spec": [10.0, 20.0], CONTROL: [10.4, 20.8], "x": [9.0, 18.0]}
+    s = speedups(rates)
+    assert s[CONTROL] == pytest.approx([1.04, 1.04])
+    assert s["x"] == pytest.approx([9.0 / math.sqrt(104.0), 18.0 / math.sqrt(416.0)])
+    assert s["no-spec"] == pytest.approx([1 / math.sqrt(1.04)] * 2)
+
+
+def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
+    pair = toy_pair(2)
+    cfgs = [EngineConfig("no-spec"), EngineConfig("fixed-3", dspark_spec(pair.draft, 3, verification="fixed"))]
+    rows = run_lockstep(pair, cfgs, pair.datasets, concurrencies=(2,), max_tokens=12, repeats=2,
+                        log=lambda m: None)
+    by = {r["config"]: r for r in rows}
+    assert list(by) == ["no-spec", "fixed-3", CONTROL]
+    assert by["fixed-3"]["outputs"] == by["no-spec"]["outputs"] == by[CONTROL]["outputs"]  # float32, greedy
+    assert all(len(r["repeats"]) == 2 and all(x > 0 for x in r["repeats"]) for r in rows)
+    # Accepted drafts: the drafter's engine needed fewer steps for the same tokens.
+    assert by["fixed-3"]["num_accepted_tokens"] > 0
+    assert sum(by["fixed-3"]["lockstep"]["steps"]) < sum(by["no-spec"]["lockstep"]["steps"])
+    assert by[CONTROL]["lockstep"]["against"] == "no-spec"

@@ -1,0 +1,181 @@
+"""Lockstep: every configuration's engine in this process, stepped in turn, one engine step at a time.
+
+Why not cells back to back (``e2e.run_interleaved``)? This machine's memory
+bandwidth drifts by 10-20% from one second to the next (a 268 MB bf16
+mat-vec loop, 1-second medians from 21.0 to 26.8 ms). Two identical
+no-speculation engines, measured as interleaved cells of about 17 s each,
+gave 1.02x [0.93-1.04] over 6 repeats, and 1.03x [0.92-1.18] over 8. That
+is far too wide to tell whether a drafter costs 3%. Stepped in lockstep, the
+same two engines gave 1.013x [1.008-1.020]. Each engine's step is about 30 ms
+at batch 1, so every configuration sees the same seconds of the machine.
+
+**How a cell runs.** Every engine gets the same requests, in waves of C. In
+each round, every engine that still has unfinished requests runs one
+``LLMEngine.step()``: it schedules, runs the forward and sampling, drafts and
+processes the outputs. The round's order is reversed on odd repeats. An
+engine's time is the sum of its own ``step()`` calls, and its rate is the
+output tokens of finished requests over that time.
+
+**Build-order bias, and the control.** Engines built later ran 0.4-2.7%
+faster than the first one, in every repeat. This was measured with three
+identical engines; the cause is not known. So a second no-speculation
+engine, ``no-spec-b``, is built after the configurations it brackets:
+- Each configuration's speed-up is its rate over the geometric mean of the two
+  controls' rates in the same repeat. A bias that grows with build order then
+  cancels for the engines built between the controls.
+- The control's own row, ``no-spec-b`` against ``no-spec``, is the record's
+  A/A: how far apart two identical engines came out.
+
+n-gram engines are built last, after the control, outside the bracket. The
+control is not needed for them: their effect is far larger than the bias.
+They go last because an in-process engine built after numba has loaded
+failed in vLLM's CPU kernel-override scan of the loaded modules (seen once,
+with numba imported by hand). vLLM's n-gram proposer loads numba.
+
+**What this does not time.** The engines run in this process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``). So the frontend-to-engine-core IPC
+that a multiprocess ``LLM`` or ``vllm serve`` pays is not timed, and neither
+is the engine core's busy-wait on the worker. Both are alike for every
+configuration. Use ``run_interleaved`` for that end-to-end view.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+
+from vllm_dspark.tools.bench.e2e import (
+    EngineConfig,
+    Pair,
+    _cells,
+    _delta,
+    _inputs,
+    _params,
+    proposer_acceptance,
+)
+from vllm_dspark.tools.bench.engine import dspark_report, llm_engine
+
+CONTROL = "no-spec-b"
+
+
+def build_order(configs: list[EngineConfig]) -> list[EngineConfig]:
+    """no-spec first, then the DSpark (and other non-n-gram) configurations, the control, the n-gram ones."""
+    names = [c.name for c in configs]
+    if "no-spec" not in names:
+        raise ValueError(f"lockstep needs the no-spec configuration to compare against (got {', '.join(names)})")
+    if CONTROL in names:
+        raise ValueError(f"{CONTROL!r} is the lockstep control's name; rename that configuration")
+    ngram = [c for c in configs if (c.speculative_config or {}).get("method") == "ngram"]
+    rest = [c for c in configs if c.name != "no-spec" and c not in ngram]
+    base = next(c for c in configs if c.name == "no-spec")
+    return [base, *rest, EngineConfig(CONTROL), *ngram]
+
+
+def speedups(rates: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Per-repeat speed-up of each engine: against no-spec for the control (the A/A), against the
+    geometric mean of no-spec and the control for everything else."""
+    a, b = rates["no-spec"], rates[CONTROL]
+    base = [math.sqrt(x * y) for x, y in zip(a, b, strict=True)]
+    out = {}
+    for name, r in rates.items():
+        ref = a if name == CONTROL else base
+        out[name] = [x / y for x, y in zip(r, ref, strict=True)]
+    out["no-spec"] = [x / y for x, y in zip(a, base, strict=True)]
+    return out
+
+
+def _step_all(engines: dict, order: list[str], seconds: dict[str, float], steps: dict[str, int],
+              done: dict[str, dict[str, list[int]]]) -> None:
+    """Round after round, one ``step()`` of every engine with unfinished requests, until all are done."""
+    live = [n for n in order if engines[n].llm_engine.has_unfinished_requests()]
+    while live:
+        for name in live:
+            eng = engines[name].llm_engine
+            t = time.perf_counter()
+            outs = eng.step()
+            seconds[name] += time.perf_counter() - t
+            steps[name] += 1
+            for o in outs:
+                if o.finished:
+                    done[name][o.request_id] = list(o.outputs[0].token_ids)
+        live = [n for n in live if engines[n].llm_engine.has_unfinished_requests()]
+
+
+def run_cell(engines: dict, cell: list, c: int, params, order: list[str], tag: str) -> dict[str, dict]:
+    """One repeat of a cell: every engine gets the cell's prompts in waves of ``c``, stepped in lockstep.
+    Returns per engine: outputs (prompt order), output tokens, seconds in ``step()``, steps."""
+    seconds = dict.fromkeys(order, 0.0)
+    steps = dict.fromkeys(order, 0)
+    done: dict[str, dict[str, list[int]]] = {n: {} for n in order}
+    for llm in engines.values():
+        llm.reset_prefix_cache()  # see e2e._generate: repeats must not time prefix-cache hits on one side only
+    ids = []
+    for i in range(0, len(cell), c):
+        wave = [f"{tag}-{j}" for j in range(i, min(i + c, len(cell)))]
+        ids += wave
+        for name in order:
+            for rid, prompt in zip(wave, _inputs(cell[i:i + c])):
+                engines[name].llm_engine.add_request(rid, prompt, params)
+        _step_all(engines, order, seconds, steps, done)
+    out = {}
+    for name in order:
+        outputs = [done[name][rid] for rid in ids]
+        out[name] = {"outputs": outputs, "tokens": sum(len(t) for t in outputs), "seconds": seconds[name],
+                     "steps": steps[name]}
+    return out
+
+
+def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
+                 temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
+                 log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
+    """Every configuration (and the control) in lockstep, cell by cell, ``repeats`` times; rows as
+    ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, not {repeats}")
+    built = build_order(configs)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    rows = []
+    with contextlib.ExitStack() as stack:
+        engines = {}
+        for cfg in built:
+            t0 = time.monotonic()
+            engines[cfg.name] = stack.enter_context(llm_engine(
+                pair.target, speculative_config=cfg.speculative_config, env={**cfg.env, **env},
+                dtype=pair.dtype, max_model_len=pair.max_model_len, max_num_seqs=max(concurrencies),
+                served_model_name=cfg.name))
+            log(f"[{cfg.name}] in-process engine up in {time.monotonic() - t0:.0f} s")
+        names = list(engines)
+        warm = next(iter(datasets.values()))[:2]
+        run_cell(engines, warm, len(warm), _params(8, 0.0), names, "warm")
+        dspark = [c.name for c in built if (c.speculative_config or {}).get("method") == "dspark"]
+        for ci, (ds, temp, c, cell) in enumerate(_cells(datasets, temperatures, concurrencies, prompts_per_cell)):
+            params = _params(max_tokens, temp, ignore_eos)
+            reports0 = {n: dspark_report(engines[n]) for n in dspark}
+            runs = [run_cell(engines, cell, c, params, names if rep % 2 == 0 else names[::-1], f"c{ci}r{rep}")
+                    for rep in range(repeats)]
+            rates = {n: [r[n]["tokens"] / r[n]["seconds"] for r in runs] for n in names}
+            ups = speedups(rates)
+            for cfg in built:
+                name = cfg.name
+                r, s = rates[name], ups[name]
+                row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c, "temperature": temp,
+                       "requests": len(cell), "repeats": [round(x, 2) for x in r],
+                       "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+                       "output_tokens": sum(x[name]["tokens"] for x in runs), "outputs": runs[0][name]["outputs"],
+                       "speedup_median": statistics.median(s), "speedup_spread": [min(s), max(s)],
+                       "lockstep": {"steps": [x[name]["steps"] for x in runs],
+                                    "against": "no-spec" if name == CONTROL else f"sqrt(no-spec x {CONTROL})"}}
+                if name in reports0:
+                    now, was = dspark_report(engines[name]), reports0[name]
+                    assert now is not None and was is not None
+                    row["dspark"] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
+                    row.update(proposer_acceptance(row["dspark"]["stats"]))
+                elif cfg.speculative_config:
+                    row["acceptance_note"] = "not measured: several engines share this process's metrics"
+                rows.append(row)
+                log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
+                    f"(repeats {', '.join(f'{x:.1f}' for x in r)}), speed-up {row['speedup_median']:.3f}x "
+                    f"[{min(s):.3f}-{max(s):.3f}] against {row['lockstep']['against']}")
+    return rows
