@@ -13,6 +13,7 @@ from tests.helpers import MAX_TOKENS
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.tools.bench.engine import (
     acceptance_summary,
+    dspark_report,
     llm_engine,
     read_trace,
     spec_metrics,
@@ -60,6 +61,12 @@ def test_drafts_are_accepted_and_counted(greedy_run):
     assert all(r["kept"] == 7 for r in trace)
     # Each request's last proposal comes after its final token and is never verified.
     assert verified_draft_tokens(trace) == s["num_draft_tokens"]
+
+
+def test_steps_are_timed_from_execute_model(engine, greedy_run):
+    report = dspark_report(engine[0])
+    assert report["step_clock"]["from"] == "execute_model"
+    assert report["step_clock"]["marks"] >= report["stats"]["steps"] > 0
 
 
 def test_the_compiled_markov_op_ran(greedy_run):

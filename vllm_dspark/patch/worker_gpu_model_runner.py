@@ -17,6 +17,10 @@
    with or without speculation). The patches keep upstream's intent on CPU:
    the state of those requests' generators is saved before sampling and
    restored after it, and the offset rewind is skipped for them.
+
+3. ``GPUModelRunner.execute_model``: tells a DSpark proposer when a step
+   begins (``mark_step_start``), so the budget times the verify step itself
+   and not the gap since the previous step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,15 @@ def _make_init(original):
 
             self.drafter = DSparkProposer(vllm_config, self.device, self)
     return __init__
+
+
+def _make_execute_model(original):
+    def execute_model(self, *args, **kwargs):
+        mark = getattr(getattr(self, "drafter", None), "mark_step_start", None)
+        if mark is not None:
+            mark()
+        return original(self, *args, **kwargs)
+    return execute_model
 
 
 def _discarded_with_generator(runner) -> list[int]:
@@ -85,6 +98,18 @@ PATCH = register_patch(Patch(
     versions=("0.32",),
     removable_when="vLLM's V1 runner constructs a DSpark proposer itself (or takes a proposer class hook)",
     make=_make_init,
+))
+
+STEP_CLOCK_PATCH = register_patch(Patch(
+    name="v1-runner-step-clock",
+    module="vllm.v1.worker.gpu_model_runner",
+    attribute="GPUModelRunner.execute_model",
+    what="a DSpark proposer is told when execute_model begins, and times the verify step from there",
+    why="timed from the previous propose, the step also holds the time between steps (an idle engine, "
+        "other engines stepped in one process): the budget read 3-5x its profile and dropped it as stale",
+    versions=("0.32",),
+    removable_when="vLLM hands proposers the step's start time (or the V1 runner times its steps)",
+    make=_make_execute_model,
 ))
 
 SAMPLE_PATCH = register_patch(Patch(

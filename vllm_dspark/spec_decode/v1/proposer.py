@@ -89,6 +89,8 @@ class DSparkProposer(DFlashProposer):
         self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
         self._prev_kind = "skip"  # the plan of the step whose drafts _prev holds
         self._last_end: float | None = None
+        self._step_start: float | None = None  # set by the runner patch when execute_model begins
+        self.step_marks = 0
         self._last_log = time.monotonic()
         self._step = 0
         self._last_draft_probs = None
@@ -335,11 +337,24 @@ class DSparkProposer(DFlashProposer):
         wire = self.consensus.decide(lambda: self.policy.plan(caps, sampled).to_wire())
         return B.Plan.from_wire(wire)
 
+    def mark_step_start(self) -> None:
+        """The runner's ``execute_model`` began (``v1-runner-step-clock`` patch).
+
+        The verify step is timed from here to ``propose``. Timing it from the
+        previous ``propose`` would also count the time between steps: an engine
+        waiting for requests, or other engines stepped in the same process (the
+        lockstep benchmark measured 3-5x the profile that way, and the budget
+        dropped its cached profile as stale).
+        """
+        self._step_start = time.perf_counter()
+        self.step_marks += 1
+
     def _feedback(self, req_ids, cad, num_rejected, t0) -> None:
         """Acceptance of the previous drafts, and the duration of the verify step that measured it."""
         if self.costs is not None and self._last_end is not None and cad.max_query_len <= self.block + 1:
             # Decode-only steps: the interval is the target's verify step (prefill chunks would skew it).
-            self.costs.observe_verify(int(cad.num_actual_tokens), t0 - self._last_end)
+            start = self._last_end if self._step_start is None else max(self._last_end, self._step_start)
+            self.costs.observe_verify(int(cad.num_actual_tokens), t0 - start)
             self._check_stale()
         if not self._prev:
             return
@@ -497,6 +512,8 @@ class DSparkProposer(DFlashProposer):
                                                  "scale_draft": c.scale_draft, "rebased": c.rebased,
                                                  "cache_path": c.cache_path},
                 "held_context": {**self.pending.counts, "enabled": self._hold_ok},
+                "step_clock": {"marks": self.step_marks,
+                               "from": "execute_model" if self.step_marks else "previous propose"},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
 
