@@ -1,6 +1,7 @@
 // The one declaration of vllm_dspark's ops. Implementations register against
 // these schemas by dispatch key: CPU in markov_draft_cpu.cpp, CUDA in
-// markov_draft_cuda.cpp (built only with a CUDA torch). The fake (meta)
+// markov_draft_cuda.cpp (built only with a CUDA torch); row_argmax has a CPU
+// implementation only (row_argmax_cpu.cpp). The fake (meta)
 // implementation is registered from Python in vllm_dspark/ops/markov.py.
 #include <Python.h>
 
@@ -30,6 +31,11 @@ TORCH_LIBRARY(vllm_dspark, m) {
       "Tensor markov_w2, Tensor w2_row_norms, Tensor? conf_base, Tensor? conf_w_markov, "
       "Tensor temperature, Tensor seeds, Tensor(a!) out_tokens, Tensor(b!) out_conf, "
       "Tensor(c!)? out_logits, Tensor(d!)? out_stats, Tensor? max_norms=None) -> ()");
+  // argmax over the last dimension of x[rows] (all rows when None), as torch.argmax gives it.
+  // CPU only (row_argmax_cpu.cpp): torch's CPU argmax does not vectorise; on other devices the
+  // callers keep torch's. Used by the greedy verify shortcut of the rejection-sampler patch.
+  //   x [N, V] fp32/bf16/fp16, rows [R] int32/int64 or None -> [R] int64
+  m.def("row_argmax(Tensor x, Tensor? rows=None) -> Tensor");
 }
 
 // Importing vllm_dspark._C runs the static registrations above; the module
