@@ -126,6 +126,90 @@ def test_a_batch_without_drafts_is_sampled_once_without_a_copy():
     md2 = SimpleNamespace(max_spec_len=0, bonus_logits_indices=torch.tensor([0, 2]))
     out2 = forward(me, md2, None, logits, sm)
     assert out2.sampled_token_ids.view(-1).tolist() == logits[[0, 2]].argmax(-1).tolist()
-    # A batch with drafts takes the full path.
+    # A batch with drafts of a sampling request takes the full path.
+    sm.all_greedy = False
     with pytest.raises(pytest.fail.Exception):
         forward(me, SimpleNamespace(max_spec_len=2, bonus_logits_indices=torch.arange(3)), None, logits, sm)
+
+
+def _greedy_metadata(batch: int, **over):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    kw = dict(temperature=None, all_greedy=True, all_random=False, top_p=None, top_k=None, generators={},
+              max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+              frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+              repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+              allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+    kw.update(over)
+    return SamplingMetadata(**kw)
+
+
+def _verify_case(seed: int, batch: int, max_k: int, vocab: int, dtype=torch.bfloat16):
+    """Drafts that match the target's argmax 70% of the time, 0..max_k per request (at least one somewhere)."""
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, max_k + 1, (batch,), generator=g).tolist()
+    counts[0] = max(counts[0], 1)
+    logits = torch.randn(sum(counts) + batch, vocab, generator=g).to(dtype)
+    drafts, target, bonus, row = [], [], [], 0
+    for n in counts:  # the runner's layout: each request's draft positions, then its bonus position
+        best = logits[row:row + n].argmax(-1).tolist()
+        drafts += [b if torch.rand(1, generator=g).item() < 0.7 else int(torch.randint(0, vocab, (1,), generator=g))
+                   for b in best]
+        target += range(row, row + n)
+        bonus.append(row + n)
+        row += n + 1
+    n = torch.tensor(counts, dtype=torch.int32)
+    md = SpecDecodeMetadata(draft_token_ids=torch.tensor(drafts, dtype=torch.int32), num_draft_tokens=counts,
+                            cu_num_draft_tokens=torch.cumsum(n, 0, dtype=torch.int32),
+                            cu_num_sampled_tokens=torch.cumsum(n + 1, 0, dtype=torch.int32),
+                            target_logits_indices=torch.tensor(target, dtype=torch.int32),
+                            bonus_logits_indices=torch.tensor(bonus, dtype=torch.int32),
+                            logits_indices=torch.arange(row, dtype=torch.int32))
+    return md, logits
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_verify_shortcut_gives_upstreams_tokens(rs, seed):
+    """The CPU greedy shortcut against upstream's full forward, same sampler, same logits: every token equal."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    batch = 1 + seed * 5
+    md, logits = _verify_case(seed, batch, max_k=7, vocab=300, dtype=torch.bfloat16 if seed % 2 else torch.float32)
+    sm = _greedy_metadata(batch)
+    original = patch_module.FORWARD_PATCH._original or RejectionSampler.forward
+    if getattr(original, "__dspark_patch__", None):
+        pytest.skip("upstream's forward is not reachable (patched without a saved original)")
+    me = RejectionSampler(Sampler())
+    want = original(me, md, None, logits.clone(), sm).sampled_token_ids
+    forward = patch_module._make_forward(lambda *a: pytest.fail("the full rejection path ran"))
+    got = forward(me, md, None, logits.clone(), sm).sampled_token_ids
+    assert me.dspark_greedy_verify_steps == 1
+    assert got.dtype == want.dtype == torch.int32
+    assert got.tolist() == want.tolist()
+    # Some drafts accepted, some rejected, and at least one bonus token (the case is not degenerate).
+    assert (got >= 0).sum() > batch
+
+
+def test_greedy_verify_keeps_upstreams_path_when_the_argmax_is_not_the_verdict(rs):
+    from vllm.v1.sample.logits_processor.builtin import MinTokensLogitsProcessor
+
+    md, logits = _verify_case(0, 3, max_k=3, vocab=50)
+    calls = []
+    forward = patch_module._make_forward(lambda *a: calls.append(1) or "upstream")
+    me = SimpleNamespace(sampler=None)
+    min_tokens = object.__new__(MinTokensLogitsProcessor)
+    min_tokens.min_toks = {0: (5, [], {2}, False)}
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+
+    procs = LogitsProcessors()
+    procs.non_argmax_invariant.append(min_tokens)
+    for over in (dict(all_greedy=False, temperature=torch.ones(3)), dict(no_penalties=False),
+                 dict(bad_words_token_ids={0: [[3]]}), dict(allowed_token_ids_mask=torch.zeros(3, 50, dtype=bool)),
+                 dict(max_num_logprobs=0), dict(logitsprocs=procs)):
+        assert forward(me, md, None, logits, _greedy_metadata(3, **over)) == "upstream", over
+    assert len(calls) == 6
+    assert not hasattr(me, "dspark_greedy_verify_steps")

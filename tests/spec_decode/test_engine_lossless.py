@@ -63,6 +63,14 @@ def test_drafts_are_accepted_and_counted(greedy_run):
     assert verified_draft_tokens(trace) == s["num_draft_tokens"]
 
 
+def test_greedy_verify_took_the_cpu_shortcut_with_the_compiled_argmax(engine, greedy_run):
+    report = dspark_report(engine[0])
+    # The greedy run's verify steps went through the rejection-sampler patch's CPU shortcut (its
+    # output is the token-identical one checked above), with the compiled row_argmax.
+    assert report["greedy_verify_sampler_steps"] >= 10, report["greedy_verify_sampler_steps"]
+    assert report["greedy_verify_argmax"] == "compiled"
+
+
 def test_steps_are_timed_from_execute_model(engine, greedy_run):
     report = dspark_report(engine[0])
     assert report["step_clock"]["from"] == "execute_model"

@@ -27,6 +27,11 @@ class DSparkWorkerExtension:
         # Steps the rejection-sampler patch served as plain samples (no draft in the batch).
         sampler = getattr(self.model_runner, "rejection_sampler", None)  # type: ignore[attr-defined]
         out["no_draft_sampler_steps"] = getattr(sampler, "dspark_no_draft_steps", 0)
+        # Greedy verify steps it served on CPU without float32 copies of the draft rows' logits.
+        out["greedy_verify_sampler_steps"] = getattr(sampler, "dspark_greedy_verify_steps", 0)
+        from vllm_dspark.ops import argmax
+
+        out["greedy_verify_argmax"] = argmax.last_path  # "compiled" (the op) or "torch"
         return out
 
     def dspark_state(self) -> dict:
