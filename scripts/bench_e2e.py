@@ -255,6 +255,9 @@ def main() -> int:
     ap.add_argument("--lockstep", action="store_true",
                     help="engines in this process, stepped in turn one step at a time, with a second no-spec "
                          "engine as the control (resolves a few percent where cells back to back cannot)")
+    ap.add_argument("--builds", type=int, default=1,
+                    help="--lockstep: build the engines this many times, in rotated orders, --repeats each "
+                         "(later-built engines ran faster: see vllm_dspark/tools/bench/lockstep.py)")
     cpu_setup.add_flag(ap)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
@@ -318,7 +321,8 @@ def main() -> int:
         from vllm_dspark.tools.bench.lockstep import run_lockstep
 
         rows = run_lockstep(pair, configs, datasets, concurrencies=conc, temperatures=temps,
-                            max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
+                            max_tokens=args.max_tokens, repeats=args.repeats, builds=args.builds,
+                            prompts_per_cell=per_cell,
                             log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos)
     elif args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
@@ -332,7 +336,7 @@ def main() -> int:
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "lockstep": args.lockstep, "ignore_eos": args.ignore_eos,
+            "lockstep": args.lockstep, "builds": args.builds if args.lockstep else None, "ignore_eos": args.ignore_eos,
             "machine": cpu_setup.describe(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from vllm_dspark.tools.bench.e2e import EngineConfig, dspark_spec, toy_pair
-from vllm_dspark.tools.bench.lockstep import CONTROL, build_order, run_cell, run_lockstep, speedups
+from vllm_dspark.tools.bench.lockstep import CONTROL, build_order, rotated, run_cell, run_lockstep, speedups
 
 
 class FakeEngine:
@@ -55,6 +55,9 @@ def test_the_control_brackets_the_drafters_and_ngram_comes_last():
     cfgs = [EngineConfig("ngram", {"method": "ngram"}), EngineConfig("dspark", {"method": "dspark"}),
             EngineConfig("no-spec"), EngineConfig("fixed", {"method": "dspark"})]
     assert [c.name for c in build_order(cfgs)] == ["no-spec", "dspark", "fixed", CONTROL, "ngram"]
+    built = build_order(cfgs)
+    assert [c.name for c in rotated(built, 1)] == ["dspark", "fixed", CONTROL, "no-spec", "ngram"]
+    assert [c.name for c in rotated(built, 4)] == [c.name for c in built]  # 4 bracketed engines: a full turn
     with pytest.raises(ValueError, match="needs the no-spec configuration"):
         build_order([EngineConfig("dspark")])
     with pytest.raises(ValueError, match="rename that configuration"):
@@ -72,8 +75,9 @@ def test_speedups_are_against_both_controls_and_the_control_against_no_spec():
 def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     pair = toy_pair(2)
     cfgs = [EngineConfig("no-spec"), EngineConfig("fixed-3", dspark_spec(pair.draft, 3, verification="fixed"))]
-    rows = run_lockstep(pair, cfgs, pair.datasets, concurrencies=(2,), max_tokens=12, repeats=2,
-                        log=lambda m: None)
+    logs: list[str] = []
+    rows = run_lockstep(pair, cfgs, pair.datasets, concurrencies=(2,), max_tokens=12, repeats=1, builds=2,
+                        log=logs.append)
     by = {r["config"]: r for r in rows}
     assert list(by) == ["no-spec", "fixed-3", CONTROL]
     assert by["fixed-3"]["outputs"] == by["no-spec"]["outputs"] == by[CONTROL]["outputs"]  # float32, greedy
@@ -82,3 +86,8 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     assert by["fixed-3"]["num_accepted_tokens"] > 0
     assert sum(by["fixed-3"]["lockstep"]["steps"]) < sum(by["no-spec"]["lockstep"]["steps"])
     assert by[CONTROL]["lockstep"]["against"] == "no-spec"
+    # Two builds in rotated orders: the second one started with the drafter's engine.
+    ups = [m for m in logs if "engine up" in m]
+    assert [m.split("] [")[1].split("]")[0] for m in ups] == ["no-spec", "fixed-3", CONTROL,
+                                                               "fixed-3", CONTROL, "no-spec"]
+    assert len(by["fixed-3"]["lockstep"]["speedup_per_build"]) == 2

@@ -16,19 +16,24 @@ processes the outputs. The round's order is reversed on odd repeats. An
 engine's time is the sum of its own ``step()`` calls, and its rate is the
 output tokens of finished requests over that time.
 
-**Build-order bias, and the control.** Engines built later ran 0.4-2.7%
-faster than the first one, in every repeat. This was measured with three
-identical engines; the cause is not known. So a second no-speculation
-engine, ``no-spec-b``, is built after the configurations it brackets:
-- Each configuration's speed-up is its rate over the geometric mean of the two
-  controls' rates in the same repeat. A bias that grows with build order then
-  cancels for the engines built between the controls.
-- The control's own row, ``no-spec-b`` against ``no-spec``, is the record's
-  A/A: how far apart two identical engines came out.
+**Build-order bias: rotated builds and a control.** Engines built later in
+the process ran faster than the first one, in every repeat: 0.4-3.4% with
+three identical no-speculation engines (with the CPU set-up's preloads or
+without), and 7.7% from the first to the fourth of four engines (two of them
+DSpark) in the first run of this benchmark. The cause is not known. Two
+things answer it:
+- ``builds`` > 1 builds the engines again for each build, in a rotated order,
+  so every configuration takes every place in turn. Each build measures every
+  cell ``repeats`` times; the record gives the median over all of them and the
+  median of each build (``speedup_per_build``).
+- A second no-speculation engine, ``no-spec-b``, is built with the others. Each
+  configuration's speed-up is its rate over the geometric mean of the two
+  controls' rates in the same repeat. The control's own row, ``no-spec-b``
+  against ``no-spec``, is the record's A/A: how far apart two identical
+  engines came out.
 
-n-gram engines are built last, after the control, outside the bracket. The
-control is not needed for them: their effect is far larger than the bias.
-They go last because an in-process engine built after numba has loaded
+n-gram engines are always built last, outside the rotation: their effect is
+far larger than the bias. They go last because an in-process engine built after numba has loaded
 failed in vLLM's CPU kernel-override scan of the loaded modules (seen once,
 with numba imported by hand). vLLM's n-gram proposer loads numba.
 
@@ -127,55 +132,96 @@ def run_cell(engines: dict, cell: list, c: int, params, order: list[str], tag: s
     return out
 
 
-def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
-                 temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
-                 log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
-    """Every configuration (and the control) in lockstep, cell by cell, ``repeats`` times; rows as
-    ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, not {repeats}")
-    built = build_order(configs)
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
-    rows = []
+def rotated(built: list[EngineConfig], b: int) -> list[EngineConfig]:
+    """Build ``b``'s order: the bracketed engines rotated by ``b`` places; n-gram ones stay last."""
+    ngram = [c for c in built if (c.speculative_config or {}).get("method") == "ngram"]
+    rest = [c for c in built if c not in ngram]
+    k = b % len(rest)
+    return rest[k:] + rest[:k] + ngram
+
+
+def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, max_tokens: int, max_seqs: int,
+           env: dict, ignore_eos: bool, tag: str, log) -> dict:
+    """Build the engines in ``order``, run every cell ``repeats`` times in lockstep, close them.
+    Returns, per cell index, the runs and the DSpark engines' counter deltas."""
+    out: dict = {}
     with contextlib.ExitStack() as stack:
         engines = {}
-        for cfg in built:
+        for cfg in order:
             t0 = time.monotonic()
             engines[cfg.name] = stack.enter_context(llm_engine(
                 pair.target, speculative_config=cfg.speculative_config, env={**cfg.env, **env},
-                dtype=pair.dtype, max_model_len=pair.max_model_len, max_num_seqs=max(concurrencies),
+                dtype=pair.dtype, max_model_len=pair.max_model_len, max_num_seqs=max_seqs,
                 served_model_name=cfg.name))
-            log(f"[{cfg.name}] in-process engine up in {time.monotonic() - t0:.0f} s")
+            log(f"[{tag}] [{cfg.name}] in-process engine up in {time.monotonic() - t0:.0f} s")
         names = list(engines)
-        warm = next(iter(datasets.values()))[:2]
-        run_cell(engines, warm, len(warm), _params(8, 0.0), names, "warm")
-        dspark = [c.name for c in built if (c.speculative_config or {}).get("method") == "dspark"]
-        for ci, (ds, temp, c, cell) in enumerate(_cells(datasets, temperatures, concurrencies, prompts_per_cell)):
+        warm = cells[0][3][:2]
+        run_cell(engines, warm, len(warm), _params(8, 0.0), names, f"{tag}-warm")
+        dspark = [c.name for c in order if (c.speculative_config or {}).get("method") == "dspark"]
+        for ci, (_, temp, c, cell) in enumerate(cells):
             params = _params(max_tokens, temp, ignore_eos)
-            reports0 = {n: dspark_report(engines[n]) for n in dspark}
-            runs = [run_cell(engines, cell, c, params, names if rep % 2 == 0 else names[::-1], f"c{ci}r{rep}")
+            before = {n: dspark_report(engines[n]) for n in dspark}
+            runs = [run_cell(engines, cell, c, params, names if rep % 2 == 0 else names[::-1], f"{tag}c{ci}r{rep}")
                     for rep in range(repeats)]
-            rates = {n: [r[n]["tokens"] / r[n]["seconds"] for r in runs] for n in names}
-            ups = speedups(rates)
-            for cfg in built:
-                name = cfg.name
-                r, s = rates[name], ups[name]
-                row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c, "temperature": temp,
-                       "requests": len(cell), "repeats": [round(x, 2) for x in r],
-                       "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
-                       "output_tokens": sum(x[name]["tokens"] for x in runs), "outputs": runs[0][name]["outputs"],
-                       "speedup_median": statistics.median(s), "speedup_spread": [min(s), max(s)],
-                       "lockstep": {"steps": [x[name]["steps"] for x in runs],
-                                    "against": "no-spec" if name == CONTROL else f"sqrt(no-spec x {CONTROL})"}}
-                if name in reports0:
-                    now, was = dspark_report(engines[name]), reports0[name]
-                    assert now is not None and was is not None
-                    row["dspark"] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
-                    row.update(proposer_acceptance(row["dspark"]["stats"]))
-                elif cfg.speculative_config:
-                    row["acceptance_note"] = "not measured: several engines share this process's metrics"
-                rows.append(row)
-                log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
-                    f"(repeats {', '.join(f'{x:.1f}' for x in r)}), speed-up {row['speedup_median']:.3f}x "
-                    f"[{min(s):.3f}-{max(s):.3f}] against {row['lockstep']['against']}")
+            deltas = {}
+            for n, was in before.items():
+                now = dspark_report(engines[n])
+                assert now is not None and was is not None
+                deltas[n] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
+            out[ci] = {"runs": runs, "dspark": deltas}
+    return out
+
+
+def _sum(a: dict | None, b: dict) -> dict:
+    return b if a is None else {k: _sum(a[k], v) if isinstance(v, dict) else
+                                ([x + y for x, y in zip(a[k], v)] if isinstance(v, list) else
+                                 (a[k] + v if isinstance(v, (int, float)) else v)) for k, v in b.items()}
+
+
+def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
+                 temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, builds: int = 1,
+                 prompts_per_cell=None, log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
+    """Every configuration (and the control) in lockstep, cell by cell: ``builds`` times built, in
+    rotated orders, each build measuring every cell ``repeats`` times. Rows as
+    ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row."""
+    if repeats < 1 or builds < 1:
+        raise ValueError(f"repeats and builds must be >= 1, not {repeats} and {builds}")
+    built = build_order(configs)
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib)}
+    cells = list(_cells(datasets, temperatures, concurrencies, prompts_per_cell))
+    results = [_build(pair, rotated(built, b), cells, repeats=repeats, max_tokens=max_tokens,
+                      max_seqs=max(concurrencies), env=env, ignore_eos=ignore_eos, tag=f"build {b + 1}/{builds}",
+                      log=log) for b in range(builds)]
+    rows = []
+    names = [c.name for c in built]
+    for ci, (ds, temp, c, cell) in enumerate(cells):
+        runs = [r for res in results for r in res[ci]["runs"]]
+        rates = {n: [r[n]["tokens"] / r[n]["seconds"] for r in runs] for n in names}
+        ups = speedups(rates)
+        for cfg in built:
+            name = cfg.name
+            r, s = rates[name], ups[name]
+            row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c, "temperature": temp,
+                   "requests": len(cell), "repeats": [round(x, 2) for x in r],
+                   "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+                   "output_tokens": sum(x[name]["tokens"] for x in runs), "outputs": runs[0][name]["outputs"],
+                   "speedup_median": statistics.median(s), "speedup_spread": [min(s), max(s)],
+                   "lockstep": {"steps": [x[name]["steps"] for x in runs], "builds": builds,
+                                "speedup_per_build": [statistics.median(s[b * repeats:(b + 1) * repeats])
+                                                      for b in range(builds)],
+                                "against": "no-spec" if name == CONTROL else f"sqrt(no-spec x {CONTROL})"}}
+            deltas = [res[ci]["dspark"][name] for res in results if name in res[ci]["dspark"]]
+            if deltas:
+                total = None
+                for d in deltas:
+                    total = _sum(total, d)
+                row["dspark"] = total
+                row.update(proposer_acceptance(row["dspark"]["stats"]))
+            elif cfg.speculative_config:
+                row["acceptance_note"] = "not measured: several engines share this process's metrics"
+            rows.append(row)
+            log(f"[{name}] {ds} C={c} T={temp:g}: {row['tokens_per_s']:.1f} tok/s "
+                f"(repeats {', '.join(f'{x:.1f}' for x in r)}), speed-up {row['speedup_median']:.3f}x "
+                f"[{min(s):.3f}-{max(s):.3f}] against {row['lockstep']['against']}; by build "
+                + ", ".join(f"{x:.3f}" for x in row["lockstep"]["speedup_per_build"]))
     return rows
