@@ -16,12 +16,15 @@ processes the outputs. The round's order is reversed on odd repeats. An
 engine's time is the sum of its own ``step()`` calls, and its rate is the
 output tokens of finished requests over that time.
 
-**Build-order bias: rotated builds and a control.** Engines built later in
-the process ran faster than the first one, in every repeat: 0.4-3.4% with
-three identical no-speculation engines (with the CPU set-up's preloads or
-without), and 7.7% from the first to the fourth of four engines (two of them
-DSpark) in the first run of this benchmark. The cause is not known. Two
-things answer it:
+**Build bias: rotated builds and a control.** Identical engines in one
+process came out apart, alike in every repeat of one build:
+- 0.4-3.4% with three identical no-speculation engines, the later-built
+  faster, with the CPU set-up's preloads and without;
+- 7.7% from the first to the fourth of four engines (two of them DSpark) in
+  the first run of this benchmark.
+
+In ``docs/benchmarks/never-lose-lockstep`` it did not follow build order in
+every build. The cause is not known. Two things answer it:
 - ``builds`` > 1 builds the engines again for each build, in a rotated order,
   so every configuration takes every place in turn. Each build measures every
   cell ``repeats`` times; the record gives the median over all of them and the
