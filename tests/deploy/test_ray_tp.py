@@ -141,7 +141,11 @@ def test_tp2_ranks_decide_alike_when_their_inputs_diverge(engine, request):
     # ... and every step's plan and every request's drafts were the same on both ranks.
     assert reports[0]["stats"] == reports[1]["stats"], (reports[0]["stats"], reports[1]["stats"])
     assert reports[0]["stats"]["tokens_admitted"] > 0  # rank 0 drafted (rank 1 alone never would)
-    assert c1["scale_draft"] > c0["scale_draft"]  # rank 1 kept measuring its (scaled) drafter
+    # Only full drafting steps time the drafter online (probes do not). How many the budget runs
+    # depends on this machine's step times: one CI run had probes only, and both scales stayed 1.
+    st = reports[0]["stats"]
+    if st["steps_drafted"] > st["steps_probed"]:
+        assert c1["scale_draft"] > c0["scale_draft"]  # rank 1 kept measuring its (scaled) drafter
 
 
 @pytest.mark.timeout(HANG_TIMEOUT)
