@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from vllm_dspark.ops.markov import _load
+from vllm_dspark.ops.markov import _has_kernel, _load
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -33,7 +33,7 @@ def _why_not(x: torch.Tensor) -> str | None:
         return f"device {x.device.type!r} (the compiled row_argmax is CPU only)"
     if not _load():
         return "vllm_dspark._C is not importable"
-    if not torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, "CPU"):
+    if not _has_kernel("cpu", _OP_NAME):
         return "vllm_dspark._C was built without row_argmax (rebuild: scripts/setup_env.sh)"
     if x.dim() != 2 or x.dtype not in _DTYPES or x.shape[1] == 0:
         return f"a {x.dim()}-D {x.dtype} tensor (the op takes [N, V] fp32/bf16/fp16)"

@@ -179,9 +179,9 @@ def _register_fake() -> None:
         return None
 
 
-def _has_kernel(device_type: str) -> bool:
+def _has_kernel(device_type: str, op: str = _OP_NAME) -> bool:
     key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(_OP_NAME, key)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
 
 def is_compiled_available(device_type: str = "cpu") -> bool:
