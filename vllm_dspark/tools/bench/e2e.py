@@ -276,6 +276,16 @@ def _is_dspark(configs: list[EngineConfig], name: str) -> bool:
     return spec is not None and spec.get("method") == "dspark"
 
 
+def repeats_row(pair: Pair, name: str, ds: str, c: int, temp: float, requests: int, rates: list[float]) -> dict:
+    """The fields of a cell's row that every repeated runner gives: what ran, each repeat's tokens/s,
+    their median and spread."""
+    import statistics
+
+    return {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c, "temperature": temp,
+            "requests": requests, "repeats": [round(x, 2) for x in rates], "tokens_per_s": statistics.median(rates),
+            "spread": [min(rates), max(rates)]}
+
+
 def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
                     temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, prompts_per_cell=None,
                     log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
@@ -321,9 +331,7 @@ def run_interleaved(pair: Pair, configs: list[EngineConfig], datasets: dict[str,
             base = rates.get("no-spec")
             for name, cfg in ((n, next(c_ for c_ in configs if c_.name == n)) for n in names):
                 r = rates[name]
-                row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c,
-                       "temperature": temp, "requests": len(cell), "repeats": [round(x, 2) for x in r],
-                       "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+                row = {**repeats_row(pair, name, ds, c, temp, len(cell), r),
                        "output_tokens": tokens[name], "outputs": outputs[name]}
                 if base is not None:
                     ratios = [a / b for a, b in zip(r, base, strict=True)]

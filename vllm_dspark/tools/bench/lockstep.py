@@ -50,6 +50,7 @@ configuration. Use ``run_interleaved`` for that end-to-end view.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -62,10 +63,15 @@ from vllm_dspark.tools.bench.e2e import (
     _inputs,
     _params,
     proposer_acceptance,
+    repeats_row,
 )
 from vllm_dspark.tools.bench.engine import dspark_report, llm_engine
 
 CONTROL = "no-spec-b"
+
+
+def _method(cfg: EngineConfig) -> str | None:
+    return (cfg.speculative_config or {}).get("method")
 
 
 def build_order(configs: list[EngineConfig]) -> list[EngineConfig]:
@@ -75,7 +81,7 @@ def build_order(configs: list[EngineConfig]) -> list[EngineConfig]:
         raise ValueError(f"lockstep needs the no-spec configuration to compare against (got {', '.join(names)})")
     if CONTROL in names:
         raise ValueError(f"{CONTROL!r} is the lockstep control's name; rename that configuration")
-    ngram = [c for c in configs if (c.speculative_config or {}).get("method") == "ngram"]
+    ngram = [c for c in configs if _method(c) == "ngram"]
     rest = [c for c in configs if c.name != "no-spec" and c not in ngram]
     base = next(c for c in configs if c.name == "no-spec")
     return [base, *rest, EngineConfig(CONTROL), *ngram]
@@ -90,7 +96,6 @@ def speedups(rates: dict[str, list[float]]) -> dict[str, list[float]]:
     for name, r in rates.items():
         ref = a if name == CONTROL else base
         out[name] = [x / y for x, y in zip(r, ref, strict=True)]
-    out["no-spec"] = [x / y for x, y in zip(a, base, strict=True)]
     return out
 
 
@@ -137,7 +142,7 @@ def run_cell(engines: dict, cell: list, c: int, params, order: list[str], tag: s
 
 def rotated(built: list[EngineConfig], b: int) -> list[EngineConfig]:
     """Build ``b``'s order: the bracketed engines rotated by ``b`` places; n-gram ones stay last."""
-    ngram = [c for c in built if (c.speculative_config or {}).get("method") == "ngram"]
+    ngram = [c for c in built if _method(c) == "ngram"]
     rest = [c for c in built if c not in ngram]
     k = b % len(rest)
     return rest[k:] + rest[:k] + ngram
@@ -160,7 +165,7 @@ def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, 
         names = list(engines)
         warm = cells[0][3][:2]
         run_cell(engines, warm, len(warm), _params(8, 0.0), names, f"{tag}-warm")
-        dspark = [c.name for c in order if (c.speculative_config or {}).get("method") == "dspark"]
+        dspark = [c.name for c in order if _method(c) == "dspark"]
         for ci, (_, temp, c, cell) in enumerate(cells):
             params = _params(max_tokens, temp, ignore_eos)
             before = {n: dspark_report(engines[n]) for n in dspark}
@@ -175,10 +180,11 @@ def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, 
     return out
 
 
-def _sum(a: dict | None, b: dict) -> dict:
-    return b if a is None else {k: _sum(a[k], v) if isinstance(v, dict) else
-                                ([x + y for x, y in zip(a[k], v)] if isinstance(v, list) else
-                                 (a[k] + v if isinstance(v, (int, float)) else v)) for k, v in b.items()}
+def _sum(a: dict, b: dict) -> dict:
+    """Two builds' counter deltas added up (nested dicts of numbers and lists of numbers)."""
+    return {k: _sum(a[k], v) if isinstance(v, dict) else
+            ([x + y for x, y in zip(a[k], v)] if isinstance(v, list) else
+             (a[k] + v if isinstance(v, (int, float)) else v)) for k, v in b.items()}
 
 
 def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
@@ -204,9 +210,7 @@ def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, li
         for cfg in built:
             name = cfg.name
             r, s = rates[name], ups[name]
-            row = {"pair": pair.name, "config": name, "dataset": ds, "concurrency": c, "temperature": temp,
-                   "requests": len(cell), "repeats": [round(x, 2) for x in r],
-                   "tokens_per_s": statistics.median(r), "spread": [min(r), max(r)],
+            row = {**repeats_row(pair, name, ds, c, temp, len(cell), r),
                    "output_tokens": sum(x[name]["tokens"] for x in runs), "outputs": runs[0][name]["outputs"],
                    "speedup_median": statistics.median(s), "speedup_spread": [min(s), max(s)],
                    "lockstep": {"steps": [x[name]["steps"] for x in runs], "builds": builds,
@@ -215,10 +219,7 @@ def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, li
                                 "against": "no-spec" if name == CONTROL else f"sqrt(no-spec x {CONTROL})"}}
             deltas = [res[ci]["dspark"][name] for res in results if name in res[ci]["dspark"]]
             if deltas:
-                total = None
-                for d in deltas:
-                    total = _sum(total, d)
-                row["dspark"] = total
+                row["dspark"] = functools.reduce(_sum, deltas)
                 row.update(proposer_acceptance(row["dspark"]["stats"]))
             elif cfg.speculative_config:
                 row["acceptance_note"] = "not measured: several engines share this process's metrics"
