@@ -89,6 +89,18 @@ def test_cost_model_interpolates_extrapolates_and_stays_monotone():
     assert m.draft_time(5) == pytest.approx(0.01)
 
 
+def test_one_number_interpolates_as_an_array_does():
+    # The budget's per-step queries take the plain-Python path; it must give the array path's times.
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        xs = np.sort(rng.choice(np.arange(1, 600), size=int(rng.integers(1, 7)), replace=False))
+        points = C._monotone([(int(x), float(t)) for x, t in zip(xs, rng.random(len(xs)))])
+        for x in (0, 0.5, int(xs[0]), int(xs[-1]), float(rng.uniform(0, 800)), int(rng.integers(0, 800)), 900):
+            one = C._interp(points, x)
+            assert isinstance(one, float)
+            assert one == pytest.approx(float(C._interp(points, np.array([x]))[0]), rel=1e-12, abs=1e-15)
+
+
 def test_a_profile_the_corrections_keep_disowning_is_stale():
     m = C.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
     for _ in range(200):  # noise around the profile never makes it stale

@@ -7,6 +7,7 @@ stale (:attr:`CostModel.stale`).
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 from dataclasses import dataclass
@@ -110,6 +111,8 @@ def _monotone(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
 
 
 def _interp(points: list[tuple[int, float]], x):
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return _interp_scalar(points, float(x))
     xs = np.array([p[0] for p in points], dtype=np.float64)
     ys = np.array([p[1] for p in points], dtype=np.float64)
     xa = np.asarray(x, dtype=np.float64)
@@ -118,6 +121,22 @@ def _interp(points: list[tuple[int, float]], x):
         slope = max(0.0, (ys[-1] - ys[-2]) / max(1e-9, xs[-1] - xs[-2]))
         y = np.where(xa > xs[-1], ys[-1] + slope * (xa - xs[-1]), y)
     return y if y.ndim else float(y)
+
+
+def _interp_scalar(points: list[tuple[int, float]], x: float) -> float:
+    """:func:`_interp` of one number, in plain Python: the budget asks this three times a step, and
+    building the numpy arrays took 0.1-0.2 ms of every step at batch 1 (cProfile, never-accepted drafter)."""
+    n0, t0 = points[0]
+    if x <= n0 or len(points) == 1:
+        return float(t0)
+    i = bisect.bisect_left(points, x, key=lambda p: p[0])
+    if i == len(points):
+        (na, ta), (nb, tb) = points[-2], points[-1]
+        return float(tb + max(0.0, (tb - ta) / max(1e-9, nb - na)) * (x - nb))
+    (na, ta), (nb, tb) = points[i - 1], points[i]
+    if x == nb:
+        return float(tb)
+    return float(ta + (tb - ta) * (x - na) / (nb - na))
 
 
 def profile_sizes(max_tokens: int) -> list[int]:
