@@ -71,6 +71,8 @@ def test_probes_read_the_context_an_eager_store_writes(runs):
     held = report["held_context"]
     assert held["enabled"] and held["held_steps"] > 0 and held["flushes"] > 0, held
     assert 0 < held["flushed_tokens"] <= held["held_tokens"], held
+    # Most held steps were planned before the runner's draft glue (patch v1-runner-no-draft-glue).
+    assert held["before_glue_steps"] > held["held_steps"] // 2, held
     eager = {(_prompt_of(fixed_trace, r), r["pos"]): r["draft"] for r in fixed_trace}
     probes = [r for r in budget_trace if r["kept"] > 0]
     assert len(probes) >= 3, "the budget never probed: nothing read a held context"
@@ -117,3 +119,4 @@ def test_held_context_of_finished_requests_never_lands_in_reused_blocks(qwen_pai
     assert [list(o.outputs[0].token_ids) for o in outs] == qwen_baseline
     held = report["held_context"]
     assert held["enabled"] and held["dropped_tokens"] > 0, held  # the first batch left context held
+    assert held["before_glue_steps"] > 0, held  # and held it without the runner's draft glue
