@@ -260,6 +260,9 @@ def main() -> int:
     ap.add_argument("--builds", type=int, default=1,
                     help="--lockstep: build the engines this many times, in rotated orders, --repeats each "
                          "(later-built engines ran faster: see vllm_dspark/tools/bench/lockstep.py)")
+    ap.add_argument("--share-weights", action="store_true",
+                    help="--lockstep: every engine reads the first-built engine's target weights (one copy in "
+                         "memory: see vllm_dspark/tools/bench/shared_weights.py)")
     cpu_setup.add_flag(ap)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
@@ -325,7 +328,8 @@ def main() -> int:
         rows = run_lockstep(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                             max_tokens=args.max_tokens, repeats=args.repeats, builds=args.builds,
                             prompts_per_cell=per_cell,
-                            log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos)
+                            log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos,
+                            share=args.share_weights)
     elif args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                                max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
@@ -338,7 +342,8 @@ def main() -> int:
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "lockstep": args.lockstep, "builds": args.builds if args.lockstep else None, "ignore_eos": args.ignore_eos,
+            "lockstep": args.lockstep, "builds": args.builds if args.lockstep else None,
+            "shared_weights": args.share_weights if args.lockstep else None, "ignore_eos": args.ignore_eos,
             "machine": cpu_setup.describe(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),
             "cpu_count": os.cpu_count(), "command": " ".join(sys.argv)}

@@ -77,7 +77,7 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     cfgs = [EngineConfig("no-spec"), EngineConfig("fixed-3", dspark_spec(pair.draft, 3, verification="fixed"))]
     logs: list[str] = []
     rows = run_lockstep(pair, cfgs, pair.datasets, concurrencies=(2,), max_tokens=12, repeats=1, builds=2,
-                        log=logs.append)
+                        log=logs.append, share=True)
     by = {r["config"]: r for r in rows}
     assert list(by) == ["no-spec", "fixed-3", CONTROL]
     assert by["fixed-3"]["outputs"] == by["no-spec"]["outputs"] == by[CONTROL]["outputs"]  # float32, greedy
@@ -91,3 +91,7 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     assert [m.split("] [")[1].split("]")[0] for m in ups] == ["no-spec", "fixed-3", CONTROL,
                                                                "fixed-3", CONTROL, "no-spec"]
     assert len(by["fixed-3"]["lockstep"]["speedup_per_build"]) == 2
+    # Every engine but the first-built read the first one's target weights, and the outputs above held.
+    shared = [m for m in logs if "target weights" in m]
+    assert len(shared) == 4 and all(int(m.split("(")[1].split()[0]) > 10 for m in shared), shared
+    assert by["fixed-3"]["lockstep"]["shared_weights"] is True

@@ -66,6 +66,7 @@ from vllm_dspark.tools.bench.e2e import (
     repeats_row,
 )
 from vllm_dspark.tools.bench.engine import dspark_report, llm_engine
+from vllm_dspark.tools.bench.shared_weights import share_weights, target_model
 
 CONTROL = "no-spec-b"
 
@@ -149,7 +150,7 @@ def rotated(built: list[EngineConfig], b: int) -> list[EngineConfig]:
 
 
 def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, max_tokens: int, max_seqs: int,
-           env: dict, ignore_eos: bool, tag: str, log) -> dict:
+           env: dict, ignore_eos: bool, tag: str, log, share: bool = False) -> dict:
     """Build the engines in ``order``, run every cell ``repeats`` times in lockstep, close them.
     Returns, per cell index, the runs and the DSpark engines' counter deltas."""
     out: dict = {}
@@ -163,6 +164,11 @@ def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, 
                 served_model_name=cfg.name))
             log(f"[{tag}] [{cfg.name}] in-process engine up in {time.monotonic() - t0:.0f} s")
         names = list(engines)
+        if share:
+            src = target_model(engines[names[0]])
+            for n in names[1:]:
+                k = share_weights(target_model(engines[n]), src)
+                log(f"[{tag}] [{n}] reads {names[0]}'s target weights ({k} tensors and packed linears shared)")
         warm = cells[0][3][:2]
         run_cell(engines, warm, len(warm), _params(8, 0.0), names, f"{tag}-warm")
         dspark = [c.name for c in order if _method(c) == "dspark"]
@@ -189,10 +195,12 @@ def _sum(a: dict, b: dict) -> dict:
 
 def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
                  temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, builds: int = 1,
-                 prompts_per_cell=None, log=print, kv_cache_gib: int = 2, ignore_eos: bool = False) -> list[dict]:
+                 prompts_per_cell=None, log=print, kv_cache_gib: int = 2, ignore_eos: bool = False,
+                 share: bool = False) -> list[dict]:
     """Every configuration (and the control) in lockstep, cell by cell: ``builds`` times built, in
     rotated orders, each build measuring every cell ``repeats`` times. Rows as
-    ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row."""
+    ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row. ``share``:
+    every engine reads the first-built engine's target weights (:mod:`.shared_weights`)."""
     if repeats < 1 or builds < 1:
         raise ValueError(f"repeats and builds must be >= 1, not {repeats} and {builds}")
     built = build_order(configs)
@@ -200,7 +208,7 @@ def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, li
     cells = list(_cells(datasets, temperatures, concurrencies, prompts_per_cell))
     results = [_build(pair, rotated(built, b), cells, repeats=repeats, max_tokens=max_tokens,
                       max_seqs=max(concurrencies), env=env, ignore_eos=ignore_eos, tag=f"build {b + 1}/{builds}",
-                      log=log) for b in range(builds)]
+                      log=log, share=share) for b in range(builds)]
     rows = []
     names = [c.name for c in built]
     for ci, (ds, temp, c, cell) in enumerate(cells):
@@ -214,6 +222,7 @@ def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, li
                    "output_tokens": sum(x[name]["tokens"] for x in runs), "outputs": runs[0][name]["outputs"],
                    "speedup_median": statistics.median(s), "speedup_spread": [min(s), max(s)],
                    "lockstep": {"steps": [x[name]["steps"] for x in runs], "builds": builds,
+                                "shared_weights": share,
                                 "speedup_per_build": [statistics.median(s[b * repeats:(b + 1) * repeats])
                                                       for b in range(builds)],
                                 "against": "no-spec" if name == CONTROL else f"sqrt(no-spec x {CONTROL})"}}
