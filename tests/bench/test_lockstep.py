@@ -74,13 +74,17 @@ def test_speedups_are_against_both_controls_and_the_control_against_no_spec():
 
 def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     pair = toy_pair(2)
-    cfgs = [EngineConfig("no-spec"), EngineConfig("fixed-3", dspark_spec(pair.draft, 3, verification="fixed"))]
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    # n-gram loads numba: the second build must still start (patch kernel-scan-fake-dict).
+    cfgs = [EngineConfig("no-spec"), EngineConfig("fixed-3", dspark_spec(pair.draft, 3, verification="fixed")),
+            EngineConfig("ngram", ngram)]
     logs: list[str] = []
     rows = run_lockstep(pair, cfgs, pair.datasets, concurrencies=(2,), max_tokens=12, repeats=1, builds=2,
                         log=logs.append, share=True)
     by = {r["config"]: r for r in rows}
-    assert list(by) == ["no-spec", "fixed-3", CONTROL]
+    assert list(by) == ["no-spec", "fixed-3", CONTROL, "ngram"]
     assert by["fixed-3"]["outputs"] == by["no-spec"]["outputs"] == by[CONTROL]["outputs"]  # float32, greedy
+    assert by["ngram"]["outputs"] == by["no-spec"]["outputs"]
     assert all(len(r["repeats"]) == 2 and all(x > 0 for x in r["repeats"]) for r in rows)
     # Accepted drafts: the drafter's engine needed fewer steps for the same tokens.
     assert by["fixed-3"]["num_accepted_tokens"] > 0
@@ -88,10 +92,10 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     assert by[CONTROL]["lockstep"]["against"] == "no-spec"
     # Two builds in rotated orders: the second one started with the drafter's engine.
     ups = [m for m in logs if "engine up" in m]
-    assert [m.split("] [")[1].split("]")[0] for m in ups] == ["no-spec", "fixed-3", CONTROL,
-                                                               "fixed-3", CONTROL, "no-spec"]
+    assert [m.split("] [")[1].split("]")[0] for m in ups] == ["no-spec", "fixed-3", CONTROL, "ngram",
+                                                               "fixed-3", CONTROL, "no-spec", "ngram"]
     assert len(by["fixed-3"]["lockstep"]["speedup_per_build"]) == 2
     # Every engine but the first-built read the first one's target weights, and the outputs above held.
     shared = [m for m in logs if "target weights" in m]
-    assert len(shared) == 4 and all(int(m.split("(")[1].split()[0]) > 10 for m in shared), shared
+    assert len(shared) == 6 and all(int(m.split("(")[1].split()[0]) > 10 for m in shared), shared
     assert by["fixed-3"]["lockstep"]["shared_weights"] is True

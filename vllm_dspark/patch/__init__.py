@@ -8,6 +8,7 @@ from vllm_dspark.patch import (  # noqa: F401  (registration)
     config_speculative,
     engine_arg_utils,
     platforms_cpu,
+    triton_utils_dispatcher,
     v1_sample_rejection_sampler,
     v1_spec_decode_ngram_proposer,
     worker_cpu_worker,

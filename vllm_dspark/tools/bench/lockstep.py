@@ -36,9 +36,9 @@ every build. The cause is not known. Two things answer it:
   engines came out.
 
 n-gram engines are always built last, outside the rotation: their effect is
-far larger than the bias. They go last because an in-process engine built after numba has loaded
-failed in vLLM's CPU kernel-override scan of the loaded modules (seen once,
-with numba imported by hand). vLLM's n-gram proposer loads numba.
+far larger than the bias. (An in-process engine built after numba had loaded,
+as the n-gram proposer does, failed in vLLM's kernel-override scan; the patch
+``kernel-scan-fake-dict`` fixes that, so later builds can follow an n-gram one.)
 
 **What this does not time.** The engines run in this process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). So the frontend-to-engine-core IPC
