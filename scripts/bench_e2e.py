@@ -31,7 +31,9 @@ brackets the others as a control: each speed-up is against both controls, and
 the control's own row is the run's A/A (:mod:`vllm_dspark.tools.bench.lockstep`
 says why: on this machine it narrows an A/A from [0.93-1.04] to [1.008-1.020]).
 ``--builds N`` builds the engines N times in rotated orders (engines built later
-in one process ran faster).
+in one process ran faster), and ``--share-weights`` points every engine at the
+first-built engine's target weights (where an engine's weights landed in memory
+was most of that difference: see :mod:`vllm_dspark.tools.bench.shared_weights`).
 
 Writes ``results.json``, ``report.md`` and PNG plots (throughput, speed-up,
 per-position acceptance, the confidence head's reliability, where a step's

@@ -24,7 +24,12 @@ process came out apart, alike in every repeat of one build:
   the first run of this benchmark.
 
 In ``docs/benchmarks/never-lose-lockstep`` it did not follow build order in
-every build. The cause is not known. Two things answer it:
+every build. Most of it is where each engine's weights landed in memory
+(:mod:`.shared_weights`): with ``share`` every engine reads the first-built
+engine's target weights, and the record's A/A went from 0.983-1.069 to
+0.981-1.011 (``docs/benchmarks/never-lose-shared``). Two more things answer
+what is left (the engines' own KV caches, at batch 32 as much traffic as the
+weights):
 - ``builds`` > 1 builds the engines again for each build, in a rotated order,
   so every configuration takes every place in turn. Each build measures every
   cell ``repeats`` times; the record gives the median over all of them and the
