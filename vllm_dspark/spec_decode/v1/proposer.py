@@ -191,11 +191,7 @@ class DSparkProposer(DFlashProposer):
         tm = self.timings
         _, t1, batch, req_ids, cap, caps, sampled, plan = d
         decode_only = int(cad.max_query_len) == 1
-        if self.pending.steps and (plan.mode != "skip" or not decode_only or not self.pending.accepts(req_ids)):
-            self.pending.flush(self._store_context, req_ids)
-            t1b = time.perf_counter()
-            tm["context_flush"] += t1b - t1
-            t1 = t1b
+        t1 = self._flush_if_due(plan, decode_only, req_ids, t1)
         if plan.mode == "skip" and decode_only and self._hold_ok:
             self._hold(req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
                        token_indices_to_sample, num_rejected_tokens_gpu)
@@ -312,15 +308,21 @@ class DSparkProposer(DFlashProposer):
         if d.plan.mode != "skip":
             self._decided = d
             return None
-        if self.pending.steps and not self.pending.accepts(d.req_ids):
-            self.pending.flush(self._store_context, d.req_ids)
-            t = time.perf_counter()
-            self.timings["context_flush"] += t - d.t1
-            d = d._replace(t1=t)
+        t1 = self._flush_if_due(d.plan, True, d.req_ids, d.t1)
         self.pending.hold(d.req_ids, states(), positions()[:num_tokens], cad.slot_mapping[:num_tokens])
         self.before_glue_steps += 1
-        self.timings["held"] += time.perf_counter() - d.t1
+        self.timings["held"] += time.perf_counter() - t1
         return self._no_drafts(d.cap, d.batch)
+
+    def _flush_if_due(self, plan: B.Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
+        """Store the held context when this step cannot join it (:mod:`.context_kv`): it drafts, it is
+        not decode-only, or its batch changed or the buffer is full. Returns the time after it."""
+        if not self.pending.steps or (plan.mode == "skip" and decode_only and self.pending.accepts(req_ids)):
+            return t1
+        self.pending.flush(self._store_context, req_ids)
+        t = time.perf_counter()
+        self.timings["context_flush"] += t - t1
+        return t
 
     def _no_drafts(self, cap: int, batch: int) -> list[list[int]]:
         """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
