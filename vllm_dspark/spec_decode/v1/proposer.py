@@ -62,8 +62,7 @@ logger = logging.getLogger("vllm_dspark")
 class _Decision(NamedTuple):
     """What the start of a step decided (``DSparkProposer._decide``)."""
 
-    t0: float  # the step's proposer work began
-    t1: float  # the plan was made
+    t1: float  # the plan was made (the step's feedback and plan are timed up to here)
     batch: int
     req_ids: list[str]
     cap: int
@@ -189,7 +188,7 @@ class DSparkProposer(DFlashProposer):
         if d is None:
             d = self._decide(num_speculative_tokens, cad, num_rejected_tokens_gpu, sampling_metadata)
         tm = self.timings
-        _, t1, batch, req_ids, cap, caps, sampled, plan = d
+        t1, batch, req_ids, cap, caps, sampled, plan = d
         decode_only = int(cad.max_query_len) == 1
         t1 = self._flush_if_due(plan, decode_only, req_ids, t1)
         if plan.mode == "skip" and decode_only and self._hold_ok:
@@ -288,7 +287,7 @@ class DSparkProposer(DFlashProposer):
         plan = self._plan(caps, sampled)
         t1 = time.perf_counter()
         tm["feedback"] += t1 - t0
-        return _Decision(t0, t1, batch, req_ids, cap, caps, sampled, plan)
+        return _Decision(t1, batch, req_ids, cap, caps, sampled, plan)
 
     def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
                             states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
