@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_dspark.ops import is_compiled_available
 from vllm_dspark.patch import v1_sample_rejection_sampler as patch_module
 
 EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"
@@ -116,7 +117,8 @@ def test_a_batch_without_drafts_is_sampled_once_without_a_copy():
     me = SimpleNamespace(sampler=Sampler())
     logits = torch.randn(3, 17, generator=torch.Generator().manual_seed(1))
     md = SimpleNamespace(max_spec_len=0, bonus_logits_indices=torch.arange(3))
-    sm = SimpleNamespace(max_num_logprobs=None, logprob_token_ids=None)
+    # Not greedy: the sampler itself samples (a greedy batch takes the compiled argmax, below).
+    sm = _greedy_metadata(3, all_greedy=False, temperature=torch.ones(3))
     out = forward(me, md, None, logits, sm)
     assert seen[0][0] is logits and seen[0][1] is True
     assert out.sampled_token_ids.dtype == torch.int32 and out.sampled_token_ids.shape == (3, 1)
@@ -127,9 +129,25 @@ def test_a_batch_without_drafts_is_sampled_once_without_a_copy():
     out2 = forward(me, md2, None, logits, sm)
     assert out2.sampled_token_ids.view(-1).tolist() == logits[[0, 2]].argmax(-1).tolist()
     # A batch with drafts of a sampling request takes the full path.
-    sm.all_greedy = False
     with pytest.raises(pytest.fail.Exception):
         forward(me, SimpleNamespace(max_spec_len=2, bonus_logits_indices=torch.arange(3)), None, logits, sm)
+    assert not hasattr(me, "dspark_argmax_bonus_steps")
+
+
+@pytest.mark.skipif(not is_compiled_available("cpu"), reason="vllm_dspark._C is not built")
+def test_a_greedy_batch_without_drafts_takes_the_compiled_argmax():
+    from vllm_dspark.ops import argmax
+
+    forward = patch_module._make_forward(lambda *a: pytest.fail("the full rejection path ran"))
+    me = SimpleNamespace(sampler=lambda **kw: pytest.fail("the sampler ran"))
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    for idx in (torch.arange(4), torch.tensor([1, 3])):
+        out = forward(me, SimpleNamespace(max_spec_len=0, bonus_logits_indices=idx), None, logits,
+                      _greedy_metadata(4))
+        assert argmax.last_path == "compiled"
+        assert out.sampled_token_ids.dtype == torch.int32 and out.sampled_token_ids.shape == (len(idx), 1)
+        assert out.sampled_token_ids.view(-1).tolist() == logits[idx].argmax(-1).tolist()
+    assert me.dspark_argmax_bonus_steps == 2 and me.dspark_no_draft_steps == 2
 
 
 def _greedy_metadata(batch: int, **over):
@@ -187,7 +205,7 @@ def test_greedy_verify_shortcut_gives_upstreams_tokens(rs, seed):
     want = original(me, md, None, logits.clone(), sm).sampled_token_ids
     forward = patch_module._make_forward(lambda *a: pytest.fail("the full rejection path ran"))
     got = forward(me, md, None, logits.clone(), sm).sampled_token_ids
-    assert me.dspark_greedy_verify_steps == 1
+    assert me.dspark_greedy_verify_steps == me.dspark_argmax_bonus_steps == 1
     assert got.dtype == want.dtype == torch.int32
     assert got.tolist() == want.tolist()
     # Some drafts accepted, some rejected, and at least one bonus token (the case is not degenerate).
@@ -213,3 +231,41 @@ def test_greedy_verify_keeps_upstreams_path_when_the_argmax_is_not_the_verdict(r
         assert forward(me, md, None, logits, _greedy_metadata(3, **over)) == "upstream", over
     assert len(calls) == 6
     assert not hasattr(me, "dspark_greedy_verify_steps")
+
+
+def _logit_bias(batch: int, vocab: int, biases: dict[int, dict[int, float]]):
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    p = LogitBiasLogitsProcessor(None, torch.device("cpu"), False)
+    p.biases = biases
+    reqs = [r for r, lb in biases.items() for _ in lb]
+    p.bias_tensor = torch.tensor([b for lb in biases.values() for b in lb.values()], dtype=torch.float32)
+    p.logits_slice = (torch.tensor(reqs, dtype=torch.int32),
+                      torch.tensor([t for lb in biases.values() for t in lb], dtype=torch.int32))
+    return p
+
+
+@pytest.mark.parametrize("active", [False, True])
+def test_the_bonus_argmax_leaves_a_logit_bias_at_work_to_upstreams_sampler(rs, active):
+    """Upstream biases the bonus rows only. An idle bias processor lets the bonus rows take the
+    compiled argmax; one with biases sends them through the sampler. Both give upstream's tokens."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    batch, vocab = 4, 300
+    md, logits = _verify_case(3, batch, max_k=5, vocab=vocab)
+    # A bias large enough to make token 7 every request's bonus token.
+    procs = LogitsProcessors([_logit_bias(batch, vocab, {i: {7: 1e4} for i in range(batch)} if active else {})])
+    sm = _greedy_metadata(batch, logitsprocs=procs)
+    original = patch_module.FORWARD_PATCH._original or RejectionSampler.forward
+    if getattr(original, "__dspark_patch__", None):
+        pytest.skip("upstream's forward is not reachable (patched without a saved original)")
+    want = original(RejectionSampler(Sampler()), md, None, logits.clone(), sm).sampled_token_ids
+    me = RejectionSampler(Sampler())
+    forward = patch_module._make_forward(lambda *a: pytest.fail("the full rejection path ran"))
+    got = forward(me, md, None, logits.clone(), sm).sampled_token_ids
+    assert got.tolist() == want.tolist()
+    assert getattr(me, "dspark_argmax_bonus_steps", 0) == (0 if active else 1)
+    if active:  # the bias did reach the bonus tokens (the case is not degenerate)
+        assert 7 in got.view(-1).tolist()

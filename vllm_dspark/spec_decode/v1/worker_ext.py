@@ -29,6 +29,8 @@ class DSparkWorkerExtension:
         out["no_draft_sampler_steps"] = getattr(sampler, "dspark_no_draft_steps", 0)
         # Greedy verify steps it served on CPU without float32 copies of the draft rows' logits.
         out["greedy_verify_sampler_steps"] = getattr(sampler, "dspark_greedy_verify_steps", 0)
+        # Steps whose bonus tokens it took with the compiled argmax instead of vLLM's sampler.
+        out["argmax_bonus_sampler_steps"] = getattr(sampler, "dspark_argmax_bonus_steps", 0)
         from vllm_dspark.ops import argmax
 
         out["greedy_verify_argmax"] = argmax.last_path  # "compiled" (the op) or "torch"
