@@ -269,3 +269,19 @@ def test_the_bonus_argmax_leaves_a_logit_bias_at_work_to_upstreams_sampler(rs, a
     assert getattr(me, "dspark_argmax_bonus_steps", 0) == (0 if active else 1)
     if active:  # the bias did reach the bonus tokens (the case is not degenerate)
         assert 7 in got.view(-1).tolist()
+
+
+@pytest.mark.parametrize("batch", [1, 5, 64, 65, 200])
+def test_greedy_accepts_python_and_torch_passes_agree(batch):
+    """Both fills of greedy_accept (Python up to 64 requests, torch above) give the same rows."""
+    g = torch.Generator().manual_seed(batch)
+    for _ in range(10):
+        counts = torch.randint(0, 8, (batch,), generator=g).tolist()
+        counts[0] = max(counts[0], 1)
+        argmax = torch.randint(0, 4, (sum(counts),), generator=g)
+        drafts = torch.where(torch.rand(len(argmax), generator=g) < 0.8, argmax, torch.randint(0, 4, argmax.shape))
+        bonus = torch.randint(0, 4, (batch, 1), generator=g)
+        args = (drafts.to(torch.int32), argmax, counts, bonus, 7)
+        py, pt = patch_module._greedy_accept_py(*args), patch_module._greedy_accept_torch(*args)
+        assert py.dtype == pt.dtype == torch.int32 and torch.equal(py, pt)
+        assert torch.equal(patch_module.greedy_accept(*args), py)

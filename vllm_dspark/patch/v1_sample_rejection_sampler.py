@@ -116,7 +116,36 @@ def greedy_accept(draft_ids: torch.Tensor, target_argmax: torch.Tensor, num_draf
     Request i gets its target's argmax at each position up to and including its
     first draft that differs from it (that argmax is the correction). If all of
     its drafts match, they are followed by its bonus token. The rest of the row is -1.
+
+    Up to ``_PY_ACCEPT_MAX_BATCH`` requests the rows are filled in Python: a dozen
+    small torch ops cost 0.16 ms at batch 1, a Python pass 0.01 ms (0.06 against
+    0.20 ms at batch 32; torch wins from about 128 requests on this CPU).
     """
+    if len(num_draft_tokens) <= _PY_ACCEPT_MAX_BATCH:
+        return _greedy_accept_py(draft_ids, target_argmax, num_draft_tokens, bonus_ids, max_spec_len)
+    return _greedy_accept_torch(draft_ids, target_argmax, num_draft_tokens, bonus_ids, max_spec_len)
+
+
+_PY_ACCEPT_MAX_BATCH = 64
+
+
+def _greedy_accept_py(draft_ids, target_argmax, num_draft_tokens, bonus_ids, max_spec_len) -> torch.Tensor:
+    drafts, argmax, bonus = draft_ids.tolist(), target_argmax.tolist(), bonus_ids.view(-1).tolist()
+    rows, start = [], 0
+    for i, n in enumerate(num_draft_tokens):
+        row = [-1] * (max_spec_len + 1)
+        for j in range(n):
+            row[j] = argmax[start + j]
+            if drafts[start + j] != row[j]:
+                break
+        else:
+            row[n] = bonus[i]
+        start += n
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def _greedy_accept_torch(draft_ids, target_argmax, num_draft_tokens, bonus_ids, max_spec_len) -> torch.Tensor:
     n = torch.tensor(num_draft_tokens, dtype=torch.long)
     start = torch.cumsum(n, 0) - n
     pos = torch.arange(max_spec_len)
