@@ -37,6 +37,11 @@ Noise: cells run for at least ``--min-seconds`` and ``--min-steps`` steps, every
 dtype is repeated ``--repeats`` times interleaved (all cells, then all cells again, ...); a
 cell's value is the median of its steps, the record gives the median over repeats and the
 spread (min, max); ratios are taken per repeat (both sides measured in the same round).
+With ``--lockstep`` the cells a goal compares are stepped in turn, one step each per round
+(``step_cost.run_lockstep``): the speculative cell with k drafts and the floor at 1 + k
+tokens; the no-draft cell, the plain decode cell and the floor at 1 token. Back to back,
+their ratio carried the machine's second-to-second drift (the floor alone ranged 22-33 ms
+over the 9 repeats of ``docs/benchmarks/step-cost-k7-batch1-9-repeats``).
 
 On a shared machine, pause other work first (see the report of docs/benchmarks/step-cost).
 Writes ``results.json``, ``report.md`` and PNG plots into ``--out``.
@@ -109,6 +114,13 @@ def parse_args(argv=None):
                     help="run with vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded). Off by default: it "
                          "speeds vLLM's engines and slows the plain-PyTorch floor (docs/benchmarks/"
                          "step-cost-cpu-setup), so ratios to the floor would flatter vLLM")
+    ap.add_argument("--lockstep", action="store_true",
+                    help="step each speculative cell in turn with the floor at its tokens per request (and the "
+                         "no-draft cell with the plain decode cell), one step each per round, so that their "
+                         "ratios see the same seconds of the machine (cells back to back see its drift)")
+    ap.add_argument("--builds", type=int, default=1,
+                    help="start the workers this many times, in a rotated order, each build measuring every "
+                         "cell --repeats times (a start's weight placement biases its repeats alike)")
     ap.add_argument("--quick", action="store_true", help="smoke test: few cells, short, one repeat")
     a = ap.parse_args(argv)
     q = a.quick
@@ -182,6 +194,29 @@ def wait_quiet(max_wait_s: float, pids: list[int], threshold: float = 0.1, windo
             return {"waited_s": time.monotonic() - t0, "foreign_cpu_share": last["foreign_cpu_share"]}
 
 
+def open_args(plain, spec, floor, kind: str, b: int, x: int, args) -> tuple:
+    """(worker, open_cell keywords) of a cell that can run in lockstep (every kind but hf)."""
+    if kind == "plain":
+        return plain, dict(batch=b, k=0, prompt_len=args.prompt_len)
+    if kind == "spec":
+        return spec, dict(batch=b, k=x, prompt_len=args.prompt_len)
+    if kind == "floor":
+        return floor, dict(batch=b, q=x, context=args.floor_context)
+    assert kind == "floor_linear", kind
+    return floor, dict(batch=b, q=x, context=args.floor_context, gemm="linear")
+
+
+def run_group(plain, spec, floor, group: list[tuple], args, common: dict) -> tuple[list[dict], int | None]:
+    """Run a group's cells: one alone as before, several in lockstep; (results in group order, rounds)."""
+    if len(group) == 1:
+        kind, b, x = group[0]
+        return [run_cell(plain, spec, floor, kind, b, x, args, common)], None
+    from vllm_dspark.tools.bench import step_cost as S
+
+    cells = [open_args(plain, spec, floor, kind, b, x, args) for kind, b, x in group]
+    return S.run_lockstep(cells, common["min_seconds"], common["min_steps"])
+
+
 def run_cell(plain, spec, floor, kind: str, b: int, x: int, args, common: dict) -> dict:
     if kind == "plain":
         return plain.call("cell", batch=b, k=0, prompt_len=args.prompt_len, **common)
@@ -195,25 +230,62 @@ def run_cell(plain, spec, floor, kind: str, b: int, x: int, args, common: dict) 
 
 
 def measure_dtype(args, dtype: str, paths: dict) -> dict:
+    """Every build of the dtype's workers: ``--builds`` times, started in a rotated order.
+
+    Two identical engines in separate processes run apart by a few percent, alike in
+    every repeat of one start: mostly where each process's weights landed in memory
+    (``tools/bench/shared_weights.py``). That bias survives any number of repeats
+    within one start, so each build starts the workers anew, and its repeats are
+    numbered after the previous build's: the record's spread covers the builds.
+    """
+    from vllm_dspark.tools.bench import step_cost as S
+
+    rec: dict = {"dtype": dtype, "load_before": S.load_snapshot(), "builds": args.builds, "cells": []}
+    t0 = time.monotonic()
+    for build in range(args.builds):
+        measure_build(args, dtype, paths, rec, build)
+    rec["load_after"] = S.load_snapshot()
+    rec["seconds"] = time.monotonic() - t0
+    with contextlib.suppress(OSError):
+        (args.out / f"cells-{dtype}.partial.json").unlink()
+    return rec
+
+
+def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
     from vllm_dspark.tools.bench import step_cost as S
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(args.threads),
            "TOKENIZERS_PARALLELISM": "false"}
-    rec: dict = {"dtype": dtype, "load_before": S.load_snapshot()}
+    floor_env = {"OMP_NUM_THREADS": str(args.threads), "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}
+    specs = {"plain": (S.EngineSpec("plain", paths["target"], None, dtype, kv_space_gib=args.kv_space), env),
+             "spec": (S.EngineSpec("spec", paths["target"], paths["draft"], dtype, kv_space_gib=args.kv_space), env),
+             "floor": (S.EngineSpec("floor", paths["target"], None, dtype, threads=args.threads), floor_env)}
+    order = list(specs)
+    order = order[build % 3:] + order[:build % 3]
     workers: dict = {}
-    t0 = time.monotonic()
     try:
-        workers["plain"] = S.Worker(S.EngineSpec("plain", paths["target"], None, dtype, kv_space_gib=args.kv_space),
-                                    env, log)
-        workers["spec"] = S.Worker(S.EngineSpec("spec", paths["target"], paths["draft"], dtype,
-                                                kv_space_gib=args.kv_space), env, log)
-        threads = workers["plain"].info["threads"]
-        workers["floor"] = S.Worker(S.EngineSpec("floor", paths["target"], None, dtype, threads=threads),
-                                    {"OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "close", "OMP_PLACES": "cores"},
-                                    log)
-        rec["workers"] = {k: w.info for k, w in workers.items()}
+        for name in order:
+            workers[name] = S.Worker(*specs[name], log)
+    except BaseException:
+        for w in workers.values():
+            w.close()
+        raise
+    return workers
+
+
+def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
+    from vllm_dspark.tools.bench import step_cost as S
+
+    t0 = time.monotonic()
+    workers: dict = {}
+    try:
+        workers = start_workers(args, dtype, paths, build)
+        rec.setdefault("workers_per_build", []).append({k: w.info for k, w in workers.items()})
+        rec["workers"] = rec["workers_per_build"][0]
         plain, spec, floor = workers["plain"], workers["spec"], workers["floor"]
+        if plain.info["threads"] != args.threads:  # the floor runs args.threads: say when the engines do not
+            log(f"[{dtype}] warning: the engines run {plain.info['threads']} torch threads, the floor {args.threads}")
         block = int(spec.info["drafter_block"])
         ks = [k for k in args.ks if 0 <= k <= block]
         qs = floor_qs(ks)
@@ -229,52 +301,50 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
             floor.call("cell", batch=b, q=1, context=args.floor_context, min_seconds=0.0, min_steps=1)
 
         watch = S.ForeignCPU([os.getpid(), *(w.pid for w in workers.values())])
-        if not args.profile_only:
+        if not args.profile_only and build == 0:
             prompt = S.random_prompts(1, args.prompt_len, int(plain.info["vocab"]), seed=7)[0]
             log(f"[{dtype}] logits check")
             rec["logits_check"] = logits_check(plain, spec, floor, prompt, not args.no_hf, block)
             rec["tolerance"] = args.tol.get(dtype)
             for name, c in rec["logits_check"].items():
                 log(f"[{dtype}]   {name}: {c}")
-
-            cells = []
-            for b in args.batches:
-                cells.append(("plain", b, 0))
-                cells += [("spec", b, k) for k in ks]
-                cells += [("floor", b, q) for q in qs]
-                cells += [("floor_linear", b, q) for q in (1, 8)]
-                if args.hf_timing and not args.no_hf:
-                    cells += [("hf", b, q) for q in (1, 8)]
-            runs: list[dict] = []
+        if not args.profile_only:
+            groups = S.cell_groups(args.batches, ks, qs, args.hf_timing and not args.no_hf, args.lockstep)
+            rec["lockstep"] = args.lockstep
+            runs: list[dict] = rec["cells"]
             common = dict(min_seconds=args.min_seconds, min_steps=args.min_steps)
-            for r, (kind, b, x) in S.interleaved(cells, args.repeats):
-                # A cell during which other processes took more than --max-foreign CPUs is run again (a
+            for r, group in S.interleaved(groups, args.repeats):
+                r += build * args.repeats
+                # A group during which other processes took more than --max-foreign CPUs is run again (a
                 # 2-thread OpenMP region waits a whole time slice for a descheduled thread), up to
                 # --retries times; the least disturbed attempt is kept, the others are recorded.
-                attempts: list[dict] = []
+                attempts: list[tuple[list[dict], dict]] = []
                 for _ in range(1 + args.retries):
                     noise: dict = {}
                     with watch.measure(noise):
-                        res = run_cell(plain, spec, floor, kind, b, x, args, common)
-                    res.update(kind=kind, repeat=r, x=x, **noise)
-                    attempts.append(res)
+                        res, rounds = run_group(plain, spec, floor, group, args, common)
+                    for c, (kind, _, x) in zip(res, group):
+                        c.update(kind=kind, repeat=r, x=x, lockstep_rounds=rounds, **noise)
+                    attempts.append((res, noise))
                     if noise["foreign_cpu_share"] <= args.max_foreign:
                         break
                     time.sleep(2.0)  # let the disturbance pass
-                res = min(attempts, key=lambda a: a["foreign_cpu_share"])
-                res["discarded_attempts"] = [{"median_s": a["median_s"], "foreign_cpu_share": a["foreign_cpu_share"]}
-                                             for a in attempts if a is not res]
-                runs.append(res)
-                log(f"[{dtype}] r{r} {kind:5s} B={b:<2d} {'k' if kind in ('plain', 'spec') else 'q'}={x}: "
-                    f"{1e3 * res['median_s']:.1f} ms ({res['steps']} steps; other processes "
-                    f"{res['foreign_cpu_share']:.2f} CPUs"
-                    + (f", {len(attempts)} attempts" if len(attempts) > 1 else "") + ")")
-            rec["cells"] = runs
+                best, noise = min(attempts, key=lambda a: a[1]["foreign_cpu_share"])
+                for i, c in enumerate(best):
+                    c["discarded_attempts"] = [{"median_s": a[0][i]["median_s"],
+                                                "foreign_cpu_share": a[1]["foreign_cpu_share"]}
+                                               for a in attempts if a[0] is not best]
+                runs += best
+                log(f"[{dtype}] b{build} r{r} " + " | ".join(
+                    f"{c['kind']} B={c['batch']} {'k' if c['kind'] in ('plain', 'spec') else 'q'}={c['x']}: "
+                    f"{1e3 * c['median_s']:.1f} ms ({c['steps']} steps)" for c in best)
+                    + f"; other processes {noise['foreign_cpu_share']:.2f} CPUs"
+                    + (f", {len(attempts)} attempts" if len(attempts) > 1 else ""))
             # The timed cells are kept even if the profiler pass fails or is interrupted.
             (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=_json_default))
 
         rec["profiles"] = []
-        if args.profile_steps > 0:
+        if args.profile_steps > 0 and build == args.builds - 1:
             jobs = []
             for b in args.batches:
                 jobs += [(plain, "plain", b, dict(batch=b, k=0, prompt_len=args.prompt_len))]
@@ -300,11 +370,7 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
     finally:
         for w in workers.values():
             w.close()
-    rec["load_after"] = S.load_snapshot()
-    rec["seconds"] = time.monotonic() - t0
-    with contextlib.suppress(OSError):
-        (args.out / f"cells-{dtype}.partial.json").unlink()
-    return rec
+    rec.setdefault("build_seconds", []).append(time.monotonic() - t0)
 
 
 # ------------------------------------------------------------------ analysis
@@ -460,7 +526,13 @@ def report(result: dict) -> str:
          f"eager mode; prefix caching on; " + (f"LD_PRELOAD {result['ld_preload']}." if result.get("ld_preload")
                                                else "no LD_PRELOAD (vLLM's tcmalloc/iomp advice not applied)."),
          f"- Cells: >= {a['min_seconds']} s and >= {a['min_steps']} steps each, {a['repeats']} interleaved "
-         f"repeats; value = median step of a cell; shown as median [min-max] over repeats. "
+         f"repeats" + (f" in each of {a['builds']} builds (workers started anew, rotated order)"
+                       if a.get("builds", 1) > 1 else "")
+         + "; value = median step of a cell; shown as median [min-max] over repeats. "
+         + ("**Lockstep**: each speculative cell stepped in turn with the floor at its tokens per request "
+            "(the no-draft cell also with the plain decode cell), one step each per round. " if a.get("lockstep")
+            else "")
+         + 
          f"Prompts {a['prompt_len']} tokens (random ids, distinct per request); floor cache {a['floor_context']} "
          f"tokens.",
          "- Measured: " + "; ".join(f"{dt} at {d.get('measured_at')} ({d.get('seconds', 0) / 60:.1f} min)"
@@ -784,6 +856,7 @@ def profile_only(args, paths: dict, result: dict, command: str) -> int:
             print(f"bench_step_cost: no {dt} record in {path}", file=sys.stderr)
             return 2
         a = old.get("args", prev.get("args", {}))
+        args.builds = 1  # the profiler pass needs one start
         args.batches, args.ks = a.get("batches", args.batches), a.get("ks", args.ks)
         args.prompt_len, args.floor_context = a.get("prompt_len", args.prompt_len), a.get("floor_context",
                                                                                          args.floor_context)

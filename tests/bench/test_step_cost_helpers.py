@@ -36,3 +36,81 @@ def test_order_classes_and_phases():
     p = step_phases(t)
     assert p["scheduler"] == 2.0 and p["input_prep"] == 1.0 and p["drafter"] == 1.0 and p["draft_glue"] == 0.5
     assert p["sample_other"] == 0.25 and p["engine_other"] == 0.5 and p["target_step"] == 9.0
+
+
+def test_cell_groups_pair_each_goal_with_its_floor():
+    from vllm_dspark.tools.bench.step_cost import cell_groups
+
+    alone = cell_groups([1], [0, 7], [1, 8], hf=False, lockstep=False)
+    assert all(len(g) == 1 for g in alone)
+    groups = cell_groups([1], [0, 7], [1, 8], hf=True, lockstep=True)
+    assert groups[:2] == [[("plain", 1, 0), ("spec", 1, 0), ("floor", 1, 1)], [("spec", 1, 7), ("floor", 1, 8)]]
+    # Every cell of the back-to-back schedule runs exactly once per repeat in lockstep too.
+    back_to_back = cell_groups([1], [0, 7], [1, 8], hf=True, lockstep=False)
+    assert sorted(c for g in groups for c in g) == sorted(c for g in back_to_back for c in g)
+    # Without a no-draft cell the plain decode cell is still paired with the 1-token floor.
+    assert [("plain", 2, 0), ("floor", 2, 1)] in cell_groups([2], [3], [1, 4, 8], hf=False, lockstep=True)
+
+
+class _FakeWorker:
+    """A worker whose steps take the given seconds; it logs every call."""
+
+    def __init__(self, name, dt, log):
+        self.name, self.dt, self.log, self.open = name, dt, log, False
+
+    def call(self, cmd, **kw):
+        self.log.append((self.name, cmd))
+        if cmd == "open_cell":
+            self.open = True
+            return None
+        if cmd == "step_cell":
+            assert self.open
+            return self.dt
+        assert cmd == "close_cell"
+        self.open = False
+        return {"name": self.name, "steps": sum(1 for n, c in self.log if n == self.name and c == "step_cell")}
+
+
+def test_lockstep_steps_every_cell_each_round_in_alternating_order():
+    import pytest
+
+    from vllm_dspark.tools.bench.step_cost import run_lockstep
+
+    log: list = []
+    fast, slow = _FakeWorker("fast", 1 / 64, log), _FakeWorker("slow", 1 / 16, log)  # exact in binary
+    res, rounds = run_lockstep([(fast, {}), (slow, {})], min_seconds=0.125, min_steps=3)
+    # The fast cell needs 8 steps for its 0.125 s: both cells run 8 rounds, not the slow one's 3.
+    assert rounds == 8 and [r["steps"] for r in res] == [8, 8]
+    steps = [n for n, c in log if c == "step_cell"]
+    assert steps[:4] == ["fast", "slow", "slow", "fast"]
+    assert not fast.open and not slow.open
+    with pytest.raises(ValueError, match="one cell per worker"):
+        run_lockstep([(fast, {}), (fast, {})], 0.1, 1)
+
+
+def test_lockstep_closes_the_opened_cells_when_a_step_fails():
+    import pytest
+
+    from vllm_dspark.tools.bench.step_cost import run_lockstep
+
+    log: list = []
+    ok = _FakeWorker("ok", 0.01, log)
+
+    class Broken(_FakeWorker):
+        def call(self, cmd, **kw):
+            if cmd == "step_cell":
+                raise RuntimeError("step failed")
+            return super().call(cmd, **kw)
+
+    bad = Broken("bad", 0.01, log)
+    with pytest.raises(RuntimeError, match="step failed"):
+        run_lockstep([(ok, {}), (bad, {})], 0.1, 1)
+    assert not ok.open and not bad.open
+
+
+def test_run_until_counts_only_steps_of_the_cells_shape():
+    from vllm_dspark.tools.bench.step_cost import run_until
+
+    seq = iter([0.0, 0.2, 0.0, 0.2, 0.2])
+    assert run_until(lambda: next(seq), min_seconds=0.3, min_steps=2, max_steps=10) == 4
+    assert run_until(lambda: 0.0, min_seconds=0.3, min_steps=2, max_steps=7) == 7

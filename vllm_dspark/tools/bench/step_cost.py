@@ -104,6 +104,45 @@ def interleaved(cells: Sequence[Any], repeats: int) -> list[tuple[int, Any]]:
     return [(r, c) for r in range(repeats) for c in cells]
 
 
+def run_until(step: Callable[[], float], min_seconds: float, min_steps: int, max_steps: int) -> int:
+    """Call ``step`` (seconds of a counted step, 0.0 for one not counted) until the counted steps last
+    ``min_seconds`` and number ``min_steps``, or ``max_steps`` calls were made; the number of calls."""
+    elapsed, counted, calls = 0.0, 0, 0
+    while (elapsed < min_seconds or counted < min_steps) and calls < max_steps:
+        calls += 1
+        dt = step()
+        if dt > 0.0:
+            elapsed += dt
+            counted += 1
+    return calls
+
+
+def cell_groups(batches: list[int], ks: list[int], qs: list[int], hf: bool, lockstep: bool) -> list[list[tuple]]:
+    """The cells of a repeat, in groups that run together. Without ``lockstep`` every cell is its own group.
+
+    With it, each speculative cell is stepped with the floor at its tokens per request, and the
+    no-draft one with the plain decode step too: the ratios the goals are about then come from
+    steps taken in the same seconds. The floor's other q and its slower references run alone.
+    """
+    groups: list[list[tuple]] = []
+    for b in batches:
+        cells = [("plain", b, 0), *(("spec", b, k) for k in ks), *(("floor", b, q) for q in qs),
+                 *(("floor_linear", b, q) for q in (1, 8)), *((("hf", b, q) for q in (1, 8)) if hf else ())]
+        if not lockstep:
+            groups += [[c] for c in cells]
+            continue
+        paired = set()
+        for k in ks:
+            g = [("plain", b, 0), ("spec", b, 0), ("floor", b, 1)] if k == 0 else [("spec", b, k), ("floor", b, 1 + k)]
+            groups.append(g)
+            paired.update(g)
+        if 0 not in ks:
+            groups.append([("plain", b, 0), ("floor", b, 1)])
+            paired.update(groups[-1])
+        groups += [[c] for c in cells if c not in paired]
+    return groups
+
+
 def linear_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of ys on xs (0 for fewer than two points)."""
     pts = [(float(x), float(y)) for x, y in zip(xs, ys) if y is not None and not math.isnan(float(y))]
@@ -399,6 +438,42 @@ class Worker:
             self.proc.join(10)
 
 
+def run_lockstep(cells: Sequence[tuple[Worker, dict]], min_seconds: float, min_steps: int,
+                 max_rounds: int = 400) -> tuple[list[dict], int]:
+    """Cells of different workers stepped in turn, one step each per round; (their results, rounds).
+
+    Cells run back to back see different seconds of this machine, whose memory
+    bandwidth drifts by 10-20% from one second to the next (see
+    :mod:`vllm_dspark.tools.bench.lockstep`): a ratio of two such cells carries
+    that drift. Here every round runs one step of every cell, in reversed order
+    on odd rounds, so the cells of a group share the same seconds; one worker
+    runs at a time, the others wait on their pipes. Rounds go on until every
+    cell has met ``min_seconds`` and ``min_steps`` (or ``max_rounds``).
+    """
+    workers = [w for w, _ in cells]
+    if len({id(w) for w in workers}) != len(workers):
+        raise ValueError("run_lockstep: one cell per worker (a worker holds one open cell)")
+    opened: list[Worker] = []
+    elapsed = [0.0] * len(cells)
+    counted = [0] * len(cells)
+    rounds = 0
+    try:
+        for w, kw in cells:
+            w.call("open_cell", **kw)
+            opened.append(w)
+        while rounds < max_rounds and any(e < min_seconds or c < min_steps for e, c in zip(elapsed, counted)):
+            order = range(len(cells)) if rounds % 2 == 0 else range(len(cells) - 1, -1, -1)
+            for i in order:
+                dt = workers[i].call("step_cell")
+                if dt > 0.0:
+                    elapsed[i] += dt
+                    counted[i] += 1
+            rounds += 1
+    finally:
+        results = [w.call("close_cell") for w in opened]
+    return results, rounds
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
     """Distinct random token sequences (token values do not change a step's cost)."""
     rng = random.Random(seed)
@@ -542,39 +617,50 @@ class EngineServer:
     def cell(self, batch: int, k: int = 0, prompt_len: int = 257, min_seconds: float = 0.5, min_steps: int = 5,
              warmup: int = 2, max_steps: int = 400) -> dict:
         """Run ``batch`` requests with ``k`` drafts each; time every step of the uniform shape."""
+        self.open_cell(batch, k, prompt_len, warmup)
+        try:
+            run_until(self.step_cell, min_seconds, min_steps, max_steps)
+        finally:
+            out = self.close_cell()
+        return out
+
+    def open_cell(self, batch: int, k: int = 0, prompt_len: int = 257, warmup: int = 2) -> None:
+        """Add the cell's requests and run its warm-up steps; :meth:`step_cell` then times one step a call."""
         self._shape_hook()
         self._set_k(k)
         ids = self._add(batch, prompt_len, max_tokens=self.spec.max_model_len - prompt_len - 16)
-        want = batch * (1 + k)
-        times: list[float] = []
-        target: list[float] = []  # the step minus the drafter (DSparkProposer.propose)
-        model: list[float] = []  # the target's forward + logits
-        phases: list[dict] = []
-        ctx: list[float] = []
-        skipped = 0
-        elapsed = 0.0
+        self._run: dict = {"batch": batch, "k": k, "ids": ids, "skipped": 0, "step_s": [], "target_s": [],
+                           "model_s": [], "phases": [], "ctx": []}
         try:
             for _ in range(warmup):
                 self._step()
-            steps = 0
-            while (elapsed < min_seconds or len(times) < min_steps) and steps < max_steps:
-                steps += 1
-                dt, tm, shape = self._step()
-                if shape.get("reqs") != batch or shape.get("total") != want or shape.get("min") != 1 + k:
-                    skipped += 1
-                    continue
-                times.append(dt)
-                target.append(dt - tm.get("propose", 0.0))
-                model.append(tm.get("forward", 0.0) + tm.get("logits", 0.0))
-                phases.append(tm)
-                elapsed += dt
-                reqs = self.core.scheduler.requests
-                ctx.append(statistics.mean(r.num_computed_tokens for r in reqs.values()) if reqs else 0)
-        finally:
+        except BaseException:
             self._finish(ids)
-        mean_t = typical_mean(phases, times)
-        return {"batch": batch, "k": k, "tokens_per_request": 1 + k, "steps": len(times), "skipped": skipped,
-                "step_s": times, "target_s": target, "model_s": model,
+            raise
+
+    def step_cell(self) -> float:
+        """One step of the open cell: its seconds, or 0.0 when its shape was not the cell's (not counted)."""
+        run = self._run
+        batch, k = run["batch"], run["k"]
+        dt, tm, shape = self._step()
+        if shape.get("reqs") != batch or shape.get("total") != batch * (1 + k) or shape.get("min") != 1 + k:
+            run["skipped"] += 1
+            return 0.0
+        run["step_s"].append(dt)
+        run["target_s"].append(dt - tm.get("propose", 0.0))  # the step minus the drafter (DSparkProposer.propose)
+        run["model_s"].append(tm.get("forward", 0.0) + tm.get("logits", 0.0))  # the target's forward + logits
+        run["phases"].append(tm)
+        reqs = self.core.scheduler.requests
+        run["ctx"].append(statistics.mean(r.num_computed_tokens for r in reqs.values()) if reqs else 0)
+        return dt
+
+    def close_cell(self) -> dict:
+        run, self._run = self._run, {}
+        self._finish(run["ids"])
+        times, ctx = run["step_s"], run["ctx"]
+        mean_t = typical_mean(run["phases"], times)
+        return {"batch": run["batch"], "k": run["k"], "tokens_per_request": 1 + run["k"], "steps": len(times),
+                "skipped": run["skipped"], "step_s": times, "target_s": run["target_s"], "model_s": run["model_s"],
                 "median_s": statistics.median(times) if times else float("nan"),
                 "timers_mean_s": mean_t, "phases_mean_s": step_phases(mean_t) if mean_t else {},
                 "context_mean": statistics.mean(ctx) if ctx else None,
@@ -826,6 +912,14 @@ class FloorServer:
 
     def cell(self, batch: int, q: int, context: int = 288, min_seconds: float = 0.5, min_steps: int = 5,
              warmup: int = 2, max_steps: int = 400, gemm: str | None = None) -> dict:
+        self.open_cell(batch, q, context, warmup, gemm)
+        try:
+            run_until(self.step_cell, min_seconds, min_steps, max_steps)
+        finally:
+            out = self.close_cell()
+        return out
+
+    def open_cell(self, batch: int, q: int, context: int = 288, warmup: int = 2, gemm: str | None = None) -> None:
         import torch
 
         cache = self._cache(batch, context)
@@ -833,21 +927,36 @@ class FloorServer:
         if gemm is not None and self.model.packed:
             self.model.gemm = gemm
         ids = torch.randint(100, self.model.vocab - 100, (batch, q))
-        times: list[float] = []
+        self._run: dict = {"batch": batch, "q": q, "context": context, "cache": cache, "ids": ids,
+                           "default_gemm": default, "step_s": []}
+        try:
+            with torch.inference_mode():
+                for _ in range(warmup):
+                    self.model.forward(ids, context, cache)
+        except BaseException:
+            self.model.gemm = default
+            raise
+
+    def step_cell(self) -> float:
+        """One forward of the open cell, always at the same context (the cache is written in place)."""
+        import torch
+
+        run = self._run
         with torch.inference_mode():
-            for _ in range(warmup):
-                self.model.forward(ids, context, cache)
-            elapsed = 0.0
-            while (elapsed < min_seconds or len(times) < min_steps) and len(times) < max_steps:
-                t0 = time.perf_counter()
-                self.model.forward(ids, context, cache)
-                dt = time.perf_counter() - t0
-                times.append(dt)
-                elapsed += dt
+            t0 = time.perf_counter()
+            self.model.forward(run["ids"], run["context"], run["cache"])
+            dt = time.perf_counter() - t0
+        run["step_s"].append(dt)
+        return dt
+
+    def close_cell(self) -> dict:
+        run, self._run = self._run, {}
         used = self.model.gemm
-        self.model.gemm = default
-        return {"batch": batch, "tokens_per_request": q, "steps": len(times), "step_s": times,
-                "median_s": statistics.median(times), "context": context, "gemm": used}
+        self.model.gemm = run["default_gemm"]
+        times = run["step_s"]
+        return {"batch": run["batch"], "tokens_per_request": run["q"], "steps": len(times), "step_s": times,
+                "median_s": statistics.median(times) if times else float("nan"), "context": run["context"],
+                "gemm": used}
 
     def profile(self, batch: int, q: int, context: int = 288, steps: int = 4) -> dict:
         import torch
