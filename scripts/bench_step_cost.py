@@ -118,6 +118,10 @@ def parse_args(argv=None):
                     help="step each speculative cell in turn with the floor at its tokens per request (and the "
                          "no-draft cell with the plain decode cell), one step each per round, so that their "
                          "ratios see the same seconds of the machine (cells back to back see its drift)")
+    ap.add_argument("--share-weights", action="store_true",
+                    help="run the plain and the speculative engine in one process, the second reading the first's "
+                         "target weights (separate processes' weights land in different memory: their forwards "
+                         "ran up to 20%% apart from one start to the next)")
     ap.add_argument("--builds", type=int, default=1,
                     help="start the workers this many times, in a rotated order, each build measuring every "
                          "cell --repeats times (a start's weight placement biases its repeats alike)")
@@ -261,8 +265,14 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
     specs = {"plain": (S.EngineSpec("plain", paths["target"], None, dtype, kv_space_gib=args.kv_space), env),
              "spec": (S.EngineSpec("spec", paths["target"], paths["draft"], dtype, kv_space_gib=args.kv_space), env),
              "floor": (S.EngineSpec("floor", paths["target"], None, dtype, threads=args.threads), floor_env)}
+    if args.share_weights:
+        # Builds alternate which engine is built first (and owns the weights) and which process starts first.
+        pair_order = ("plain", "spec") if build % 2 == 0 else ("spec", "plain")
+        pair = (S.EngineSpec("pair", paths["target"], paths["draft"], dtype, kv_space_gib=args.kv_space,
+                             order=pair_order), env)
+        specs = {"pair": pair, "floor": specs["floor"]}
     order = list(specs)
-    order = order[build % 3:] + order[:build % 3]
+    order = order[build % len(order):] + order[:build % len(order)]
     workers: dict = {}
     try:
         for name in order:
@@ -271,6 +281,11 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
         for w in workers.values():
             w.close()
         raise
+    if "pair" in workers:
+        log(f"[pair/{dtype}] {workers['pair'].info['order'][1]} reads {workers['pair'].info['order'][0]}'s target "
+            f"weights ({workers['pair'].info['shared_tensors']} tensors and packed linears shared)")
+        workers = {"pair": workers["pair"], "plain": S.EngineProxy(workers["pair"], "plain"),
+                   "spec": S.EngineProxy(workers["pair"], "spec"), "floor": workers["floor"]}
     return workers
 
 
@@ -281,7 +296,7 @@ def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
     workers: dict = {}
     try:
         workers = start_workers(args, dtype, paths, build)
-        rec.setdefault("workers_per_build", []).append({k: w.info for k, w in workers.items()})
+        rec.setdefault("workers_per_build", []).append({k: w.info for k, w in workers.items() if k != "pair"})
         rec["workers"] = rec["workers_per_build"][0]
         plain, spec, floor = workers["plain"], workers["spec"], workers["floor"]
         if plain.info["threads"] != args.threads:  # the floor runs args.threads: say when the engines do not
@@ -291,7 +306,7 @@ def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
         qs = floor_qs(ks)
         rec["start_seconds"] = time.monotonic() - t0
         if args.wait_quiet > 0:
-            rec["wait_quiet"] = wait_quiet(args.wait_quiet, [os.getpid(), *(w.pid for w in workers.values())])
+            rec["wait_quiet"] = wait_quiet(args.wait_quiet, [os.getpid(), *{w.pid for w in workers.values()}])
             log(f"[{dtype}] quiet check: {rec['wait_quiet']}")
 
         # Warm-up: first prefill of every batch's prompts (fills the prefix cache) and the floor's caches.
@@ -300,7 +315,7 @@ def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
             spec.call("cell", batch=b, k=max(ks), prompt_len=args.prompt_len, min_seconds=0.0, min_steps=2)
             floor.call("cell", batch=b, q=1, context=args.floor_context, min_seconds=0.0, min_steps=1)
 
-        watch = S.ForeignCPU([os.getpid(), *(w.pid for w in workers.values())])
+        watch = S.ForeignCPU([os.getpid(), *{w.pid for w in workers.values()}])
         if not args.profile_only and build == 0:
             prompt = S.random_prompts(1, args.prompt_len, int(plain.info["vocab"]), seed=7)[0]
             log(f"[{dtype}] logits check")

@@ -359,6 +359,9 @@ class EngineSpec:
     max_model_len: int = 2048
     kv_space_gib: int = 4
     threads: int | None = None
+    # kind "pair": the plain and the speculative engine in one process, built in this order, the
+    # second reading the first's target weights (PairServer).
+    order: tuple[str, ...] = ("plain", "spec")
 
 
 def _serve(conn, spec: EngineSpec, env: dict) -> None:
@@ -375,7 +378,7 @@ def _serve(conn, spec: EngineSpec, env: dict) -> None:
                 os._exit(3)
     threading.Thread(target=orphan_watch, daemon=True, name="orphan-watch").start()
     try:
-        server: Any = FloorServer(spec) if spec.kind == "floor" else EngineServer(spec)
+        server: Any = {"floor": FloorServer, "pair": PairServer}.get(spec.kind, EngineServer)(spec)
         conn.send(("ok", server.info()))
     except Exception:  # noqa: BLE001 - reported to the parent
         conn.send(("error", traceback.format_exc()))
@@ -389,9 +392,56 @@ def _serve(conn, spec: EngineSpec, env: dict) -> None:
             conn.send(("ok", None))
             return
         try:
-            conn.send(("ok", getattr(server, cmd)(**kw)))
+            target = server.engines[kw.pop("engine")] if "engine" in kw else server
+            conn.send(("ok", getattr(target, cmd)(**kw)))
         except Exception:  # noqa: BLE001
             conn.send(("error", traceback.format_exc()))
+
+
+class PairServer:
+    """The plain and the speculative engine in one process, the second reading the first's target weights.
+
+    In separate processes, the same forward ran 0-20% apart from one start to the
+    next (``docs/benchmarks/step-cost-lockstep``, 4 builds): each process's weights
+    land somewhere else in memory (:mod:`.shared_weights`). The no-draft step is
+    compared with the plain decode step, so the two engines share one copy of the
+    weights; their KV caches, activations and the drafter stay their own.
+    """
+
+    def __init__(self, spec: EngineSpec):
+        from vllm_dspark.tools.bench.shared_weights import share_weights, target_model
+
+        if sorted(spec.order) != ["plain", "spec"]:
+            raise ValueError(f"PairServer: order must name 'plain' and 'spec' once each, got {spec.order}")
+        self.engines = {name: EngineServer(dataclasses.replace(spec, kind=name)) for name in spec.order}
+        first, second = (self.engines[n] for n in spec.order)
+        self.shared = share_weights(target_model(second.llm), target_model(first.llm))
+
+    def info(self) -> dict:
+        engines = {n: e.info() for n, e in self.engines.items()}
+        return {"kind": "pair", "order": list(self.engines), "shared_tensors": self.shared, "pid": os.getpid(),
+                "threads": engines["plain"]["threads"], "engines": engines}
+
+
+class EngineProxy:
+    """One engine of a :class:`PairServer`'s worker, called like a worker of its own."""
+
+    def __init__(self, worker: Worker, name: str):
+        self.worker, self.name = worker, name
+        self.spec = dataclasses.replace(worker.spec, kind=name)
+        self.info = {**worker.info["engines"][name], "start_seconds": worker.info["start_seconds"],
+                     "shares_weights_with": [n for n in worker.info["order"] if n != name][0],
+                     "weights_owner": worker.info["order"][0] == name}
+
+    @property
+    def pid(self) -> int | None:
+        return self.worker.pid
+
+    def call(self, cmd: str, **kw) -> Any:
+        return self.worker.call(cmd, engine=self.name, **kw)
+
+    def close(self) -> None:  # the pair's worker is closed once, by its owner
+        pass
 
 
 class Worker:
