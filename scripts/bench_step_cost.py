@@ -118,6 +118,9 @@ def parse_args(argv=None):
                     help="step each speculative cell in turn with the floor at its tokens per request (and the "
                          "no-draft cell with the plain decode cell), one step each per round, so that their "
                          "ratios see the same seconds of the machine (cells back to back see its drift)")
+    ap.add_argument("--lockstep-gap-ms", type=float, default=20.0,
+                    help="untimed pause before every lockstep step, so that the previous process's OpenMP threads "
+                         "stop spinning first (without it a step after another process's ran 5-7 ms slower)")
     ap.add_argument("--share-weights", action="store_true",
                     help="run the plain and the speculative engine in one process, the second reading the first's "
                          "target weights (separate processes' weights land in different memory: their forwards "
@@ -218,7 +221,7 @@ def run_group(plain, spec, floor, group: list[tuple], args, common: dict) -> tup
     from vllm_dspark.tools.bench import step_cost as S
 
     cells = [open_args(plain, spec, floor, kind, b, x, args) for kind, b, x in group]
-    return S.run_lockstep(cells, common["min_seconds"], common["min_steps"])
+    return S.run_lockstep(cells, common["min_seconds"], common["min_steps"], gap_s=args.lockstep_gap_ms / 1e3)
 
 
 def run_cell(plain, spec, floor, kind: str, b: int, x: int, args, common: dict) -> dict:
@@ -524,6 +527,24 @@ def rx(s: dict | None) -> str:
     return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
 
 
+def lockstep_position_lines(cells: list[dict], a: dict) -> list[str]:
+    """The lockstep self-check: does a cell's step depend on which cell ran before it?"""
+    from vllm_dspark.tools.bench import step_cost as S
+
+    by: dict = {}
+    for c in cells:
+        if c.get("lockstep_rounds"):
+            by.setdefault((c["batch"], c["kind"], c["x"]), []).append(S.position_bias(c["step_s"]))
+    if not by:
+        return []
+    parts = [f"{kind} B={b} {'k' if kind in ('plain', 'spec') else 'q'}={x} "
+             f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for (b, kind, x), v in sorted(by.items())]
+    return ["", f"Lockstep position check (a cell's median step in even rounds over odd rounds; the order "
+                f"reverses each round, so an end cell follows itself every other round; near 1 when a step does "
+                f"not depend on what ran before it; {a.get('lockstep_gap_ms', 0):g} ms pause before each step): "
+            + "; ".join(parts) + "."]
+
+
 def report(result: dict) -> str:
     from vllm_dspark.tools.bench import step_cost as S
 
@@ -582,6 +603,7 @@ def report(result: dict) -> str:
                   f"{len(bad)} of {len(shares)} cells above 0.2 CPUs"
                   + (": " + ", ".join(f"{c['kind']} B={c['batch']} x={c['x']} r{c['repeat']} "
                                       f"({c['foreign_cpu_share']:.2f})" for c in bad[:12]) if bad else "") + "."]
+        L += lockstep_position_lines(d["cells"], a)
         L += ["", "Goals of issue 18 (met only when the whole spread allows it):", ""]
         for b, row in an.items():
             s0 = row["spec"].get(0, {})

@@ -114,3 +114,22 @@ def test_run_until_counts_only_steps_of_the_cells_shape():
     seq = iter([0.0, 0.2, 0.0, 0.2, 0.2])
     assert run_until(lambda: next(seq), min_seconds=0.3, min_steps=2, max_steps=10) == 4
     assert run_until(lambda: 0.0, min_seconds=0.3, min_steps=2, max_steps=7) == 7
+
+
+def test_position_bias_compares_even_and_odd_rounds():
+    from vllm_dspark.tools.bench.step_cost import position_bias
+
+    assert position_bias([9.0, 2.0, 1.0, 2.0, 1.0]) == 0.5  # the first step is left out
+    assert math.isnan(position_bias([1.0, 2.0]))
+
+
+def test_lockstep_pauses_before_every_step():
+    import time
+
+    from vllm_dspark.tools.bench.step_cost import run_lockstep
+
+    log: list = []
+    w = _FakeWorker("w", 1.0, log)
+    t0 = time.perf_counter()
+    _, rounds = run_lockstep([(w, {})], min_seconds=3.0, min_steps=1, gap_s=0.02)
+    assert rounds == 3 and time.perf_counter() - t0 >= 0.06

@@ -117,6 +117,19 @@ def run_until(step: Callable[[], float], min_seconds: float, min_steps: int, max
     return calls
 
 
+def position_bias(step_s: Sequence[float]) -> float:
+    """A lockstep cell's median step in even rounds over its median in odd rounds (its first step left out).
+
+    The group's order reverses every round, so an end cell follows itself every
+    other round and a middle cell never does. Near 1 when a step does not depend on
+    which cell ran before it.
+    """
+    even, odd = step_s[2::2], step_s[1::2]
+    if not even or not odd:
+        return float("nan")
+    return statistics.median(even) / statistics.median(odd)
+
+
 def cell_groups(batches: list[int], ks: list[int], qs: list[int], hf: bool, lockstep: bool) -> list[list[tuple]]:
     """The cells of a repeat, in groups that run together. Without ``lockstep`` every cell is its own group.
 
@@ -488,8 +501,8 @@ class Worker:
             self.proc.join(10)
 
 
-def run_lockstep(cells: Sequence[tuple[Worker, dict]], min_seconds: float, min_steps: int,
-                 max_rounds: int = 400) -> tuple[list[dict], int]:
+def run_lockstep(cells: Sequence[tuple[Any, dict]], min_seconds: float, min_steps: int,
+                 max_rounds: int = 400, gap_s: float = 0.0) -> tuple[list[dict], int]:
     """Cells of different workers stepped in turn, one step each per round; (their results, rounds).
 
     Cells run back to back see different seconds of this machine, whose memory
@@ -499,6 +512,14 @@ def run_lockstep(cells: Sequence[tuple[Worker, dict]], min_seconds: float, min_s
     on odd rounds, so the cells of a group share the same seconds; one worker
     runs at a time, the others wait on their pipes. Rounds go on until every
     cell has met ``min_seconds`` and ``min_steps`` (or ``max_rounds``).
+
+    ``gap_s``: a pause before every step. Without it, a process's step ran slower
+    right after another process's step than after its own: 5-7 ms of a 30 ms step
+    at batch 1. libgomp's worker threads spin for a while after a parallel region
+    (``GOMP_SPINCOUNT``, 300,000 by default), so the process that has just
+    finished keeps both cores busy into the next process's step. A pause of a few
+    milliseconds lets them go to sleep; it is not timed, and a serving engine (one
+    process) never pays this.
     """
     workers = [w for w, _ in cells]
     if len({id(w) for w in workers}) != len(workers):
@@ -514,6 +535,8 @@ def run_lockstep(cells: Sequence[tuple[Worker, dict]], min_seconds: float, min_s
         while rounds < max_rounds and any(e < min_seconds or c < min_steps for e, c in zip(elapsed, counted)):
             order = range(len(cells)) if rounds % 2 == 0 else range(len(cells) - 1, -1, -1)
             for i in order:
+                if gap_s > 0.0:
+                    time.sleep(gap_s)
                 dt = workers[i].call("step_cell")
                 if dt > 0.0:
                     elapsed[i] += dt
