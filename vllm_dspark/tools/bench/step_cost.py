@@ -414,9 +414,10 @@ def _serve(conn, spec: EngineSpec, env: dict) -> None:
 class PairServer:
     """The plain and the speculative engine in one process, the second reading the first's target weights.
 
-    In separate processes, the same forward ran 0-20% apart from one start to the
-    next (``docs/benchmarks/step-cost-lockstep``, 4 builds): each process's weights
-    land somewhere else in memory (:mod:`.shared_weights`). The no-draft step is
+    In separate processes, the speculative engine's forward ran 0.96-1.18x the plain
+    one's over 4 builds x 3 lockstep repeats (a throwaway run; ~1.0 in one build,
+    1.04-1.18 in the other three): each process's weights land somewhere else in
+    memory (:mod:`.shared_weights`). The no-draft step is
     compared with the plain decode step, so the two engines share one copy of the
     weights; their KV caches, activations and the drafter stay their own.
     """
