@@ -58,16 +58,28 @@ PROFILE_LONG_S = 0.1
 SPOT_TOLERANCE = 2.0
 
 
-def _time(fn, reps: int = PROFILE_REPS, scale: float = 1.0, long_s: float = PROFILE_LONG_S) -> float:
+def _time(fn, reps: int = PROFILE_REPS, scale: float = 1.0, long_s: float = PROFILE_LONG_S,
+          consensus: Consensus | None = None) -> float:
     """The fastest of ``reps`` timed runs after an untimed one; a point whose first run takes
-    ``long_s`` or more gets one more run only (the fastest of those two)."""
+    ``long_s`` or more gets one more run only (the fastest of those two).
+
+    How many runs follow is a collective decision: every run is a dummy forward
+    with collectives under TP, and each rank times its own first run. A rank whose
+    first run crossed ``long_s`` while another's did not would run one forward
+    fewer, and the others would wait for it in a collective for ever (CI caught
+    this as an intermittent start-up hang of the Ray TP=2 test under load). The
+    deciding rank's verdict is broadcast.
+    """
     def once() -> float:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
 
     first = once()
-    if first >= long_s:
+    is_long = first >= long_s
+    if consensus is not None:
+        is_long = consensus.decide(lambda: is_long)
+    if is_long:
         return min(first, once()) * scale
     return min(once() for _ in range(reps)) * scale
 
@@ -109,7 +121,7 @@ def _draft_fn(proposer, r: int):
     return run
 
 
-def profile(proposer, draft_scale: float = 1.0) -> C.CostModel:
+def profile(proposer, draft_scale: float = 1.0, consensus: Consensus | None = None) -> C.CostModel:
     vc = proposer.vllm_config
     max_seqs = int(vc.scheduler_config.max_num_seqs)
     max_verify = min(int(vc.scheduler_config.max_num_batched_tokens), max_seqs * (proposer.block + 1))
@@ -119,14 +131,16 @@ def profile(proposer, draft_scale: float = 1.0) -> C.CostModel:
     # the cost model extrapolates linearly (compute-bound) and the online EMA corrects it.
     max_verify = min(max_verify, PROFILE_MAX_TOKENS)
     max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
-    verify = [(n, _time(_verify_fn(proposer, n))) for n in C.profile_sizes(max_verify)]
-    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale)) for r in C.profile_sizes(max_seqs)]
+    verify = [(n, _time(_verify_fn(proposer, n), consensus=consensus)) for n in C.profile_sizes(max_verify)]
+    draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale, consensus=consensus))
+             for r in C.profile_sizes(max_seqs)]
     return C.CostModel(verify=verify, draft=draft, source="start-up profile")
 
 
-def spot_check(proposer, draft_scale: float = 1.0) -> dict[str, float]:
+def spot_check(proposer, draft_scale: float = 1.0, consensus: Consensus | None = None) -> dict[str, float]:
     """The 1-token verify step and the 1-request draft step, timed now (every rank runs both)."""
-    return {"verify_1": _time(_verify_fn(proposer, 1)), "draft_1": _time(_draft_fn(proposer, 1), scale=draft_scale)}
+    return {"verify_1": _time(_verify_fn(proposer, 1), consensus=consensus),
+            "draft_1": _time(_draft_fn(proposer, 1), scale=draft_scale, consensus=consensus)}
 
 
 def judge_spot_check(cached: C.CostModel, spot: dict[str, float], tolerance: float | None = None) -> str | None:
@@ -183,7 +197,7 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
     if cached is not None:
         candidate = C.CostModel.from_dict(cached, source=f"cache {path}")
         # 2. Does it still describe this machine? Every rank runs the spot check; the decider judges.
-        spot = spot_check(proposer, scale)
+        spot = spot_check(proposer, scale, cons)
         why = cons.decide(lambda: judge_spot_check(candidate, spot))
         info.update(spot_check={k: round(v, 6) for k, v in spot.items()}, stale_at_load=why)
         if why is None:
@@ -194,7 +208,7 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
             logger.warning("vllm_dspark: the cached cost profile %s is stale (%s); profiling again", path, why)
     if model is None:
         # 3. Profile: every rank together (dummy runs are collectives); the decider's numbers win.
-        measured = profile(proposer, scale)
+        measured = profile(proposer, scale, cons)
         agreed = cons.decide(lambda: measured.to_dict())
         model = C.CostModel.from_dict(agreed, source="start-up profile")
         info["decision"] = "profiled"
