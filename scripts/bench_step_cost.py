@@ -225,15 +225,10 @@ def run_group(plain, spec, floor, group: list[tuple], args, common: dict) -> tup
 
 
 def run_cell(plain, spec, floor, kind: str, b: int, x: int, args, common: dict) -> dict:
-    if kind == "plain":
-        return plain.call("cell", batch=b, k=0, prompt_len=args.prompt_len, **common)
-    if kind == "spec":
-        return spec.call("cell", batch=b, k=x, prompt_len=args.prompt_len, **common)
-    if kind == "floor":
-        return floor.call("cell", batch=b, q=x, context=args.floor_context, **common)
-    if kind == "floor_linear":
-        return floor.call("cell", batch=b, q=x, context=args.floor_context, gemm="linear", **common)
-    return floor.call("hf_cell", batch=b, q=x, context=args.floor_context, **common)
+    if kind == "hf":
+        return floor.call("hf_cell", batch=b, q=x, context=args.floor_context, **common)
+    worker, kw = open_args(plain, spec, floor, kind, b, x, args)
+    return worker.call("cell", **kw, **common)
 
 
 def measure_dtype(args, dtype: str, paths: dict) -> dict:

@@ -96,8 +96,11 @@ def bonus_is_argmax(sampling_metadata) -> bool:
     logit-bias processor without biases, a min-tokens one without a request below its
     minimum. Any other processor, a user's own included, keeps upstream's sampler.
     """
-    if not argmax_is_verdict(sampling_metadata):
-        return False
+    return argmax_is_verdict(sampling_metadata) and _bonus_processors_idle(sampling_metadata)
+
+
+def _bonus_processors_idle(sampling_metadata) -> bool:
+    """The half of :func:`bonus_is_argmax` beyond :func:`argmax_is_verdict`."""
     from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor, MinTokensLogitsProcessor
 
     for p in sampling_metadata.logitsprocs.non_argmax_invariant:
@@ -217,10 +220,10 @@ def _make_forward(original):
         if logits.device.type != "cpu" or not argmax_is_verdict(sampling_metadata):
             return original(self, metadata, draft_probs, logits, sampling_metadata)
         self.dspark_greedy_verify_steps = getattr(self, "dspark_greedy_verify_steps", 0) + 1
-        n_target = metadata.target_logits_indices.numel()
-        if bonus_is_argmax(sampling_metadata):
+        if _bonus_processors_idle(sampling_metadata):  # argmax_is_verdict held just above
             # One pass of the op for the draft rows and the bonus rows together.
             self.dspark_argmax_bonus_steps = getattr(self, "dspark_argmax_bonus_steps", 0) + 1
+            n_target = metadata.target_logits_indices.numel()
             both = row_argmax(logits, torch.cat([metadata.target_logits_indices, metadata.bonus_logits_indices]))
             target_argmax, bonus = both[:n_target], both[n_target:]
         else:
