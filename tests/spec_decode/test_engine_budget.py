@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB
+from vllm_dspark.spec_decode.common.budget import TrustConfig
+from vllm_dspark.spec_decode.common.calibration import Calibrator
 from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
@@ -138,6 +140,16 @@ def test_sampled_requests_prove_themselves_separately(wrong_head):
     verified = st["tokens_verified_observed"] - greedy["stats"]["tokens_verified_observed"]
     accepted = st["tokens_accepted"] - greedy["stats"]["tokens_accepted"]
     assert verified > 0 and accepted <= max(1, verified // 4), (verified, accepted, st)
-    # Probes of sampled requests were verified and rejected: the sampled level fell below its prior.
+    # Each mode's level is learnt from its own drafts only. The greedy level did not move while
+    # only sampled requests ran, and it fell below its prior.
+    prior, w, keep = TrustConfig.prior_acceptance, TrustConfig.prior_strength, 1.0 - 1.0 / Calibrator.memory
     greedy_level, sampled_level = (lv[0] for lv in report["calibration"]["levels"])
-    assert sampled_level < 0.1 and greedy_level < 0.1, report["calibration"]["levels"]
+    assert greedy_level == greedy["calibration"]["levels"][0][0] < prior, (greedy["calibration"],
+                                                                           report["calibration"])
+    # The sampled level is what its own first positions say: below the prior when every probe was
+    # rejected. A chance acceptance lifts it (CI saw 0.108: one of 9 drafts) to at most
+    # (accepted + w * prior) / (drafts + w), with the drafts' weights faded by at most keep ** drafts.
+    drafts = st["drafts_observed"] - greedy["stats"]["drafts_observed"]
+    assert drafts > 0
+    bound = prior if accepted == 0 else (accepted + w * prior) / (keep ** drafts * drafts + w)
+    assert sampled_level < min(bound, 0.5), (sampled_level, bound, drafts, accepted, report["calibration"])
