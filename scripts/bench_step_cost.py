@@ -44,7 +44,9 @@ their ratio carried the machine's second-to-second drift (the floor alone ranged
 over the 9 repeats of ``docs/benchmarks/step-cost-k7-batch1-9-repeats``).
 
 On a shared machine, pause other work first (see the report of docs/benchmarks/step-cost).
-Writes ``results.json``, ``report.md`` and PNG plots into ``--out``.
+Writes ``results.json``, ``report.md`` and PNG plots into ``--out``; the analysis, the report
+and the plots are ``vllm_dspark/tools/bench/step_cost_report.py``, and ``--render-only`` makes
+them again from a record's ``results.json``.
 """
 
 from __future__ import annotations
@@ -52,9 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -62,13 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-PHASES = ("scheduler", "input_prep", "forward", "logits", "sampler", "rejection_sampler", "drafter", "draft_glue",
-          "bookkeeping", "sample_other", "engine_other")
-DRAFTER_PARTS = ("feedback", "layout", "context_kv_only", "block_forward", "markov_stage", "verify")
-# The phase split of a step: the target forward split by the profiler's operator classes (scaled to the
-# timed forward), everything else from the timers.
-COMBINED = ("gemm", "attention", "rope", "norms_elementwise", "aux_capture", "forward_python", "logits", "sampler",
-            "rejection_sampler", "drafter", "draft_glue", "input_prep", "scheduler", "other")
+from vllm_dspark.tools.bench.step_cost_report import analyse, int_keys, json_default, write_outputs  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -108,6 +102,8 @@ def parse_args(argv=None):
                     help="max abs logit difference allowed between the floor and vLLM, per dtype")
     ap.add_argument("--profile-only", action="store_true",
                     help="re-take only the profiler pass of the dtypes in --out/results.json (timed cells kept)")
+    ap.add_argument("--render-only", action="store_true",
+                    help="measure nothing: analyse --out/results.json again and rewrite its report.md and plots")
     ap.add_argument("--append", action="store_true",
                     help="keep the other dtypes already in --out/results.json (measure one dtype per run)")
     ap.add_argument("--cpu-setup", action="store_true",
@@ -354,7 +350,7 @@ def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
                     + f"; other processes {noise['foreign_cpu_share']:.2f} CPUs"
                     + (f", {len(attempts)} attempts" if len(attempts) > 1 else ""))
             # The timed cells are kept even if the profiler pass fails or is interrupted.
-            (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=_json_default))
+            (args.out / f"cells-{dtype}.partial.json").write_text(json.dumps(rec, indent=1, default=json_default))
 
         rec["profiles"] = []
         if args.profile_steps > 0 and build == args.builds - 1:
@@ -386,422 +382,27 @@ def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
     rec.setdefault("build_seconds", []).append(time.monotonic() - t0)
 
 
-# ------------------------------------------------------------------ analysis
-
-
-def _per_repeat(cells: list[dict], kind: str, batch: int, x: int, field: str = "median_s") -> list[float]:
-    rows = sorted((c for c in cells if c["kind"] == kind and c["batch"] == batch and c["x"] == x),
-                  key=lambda c: c["repeat"])
-    out = []
-    for c in rows:
-        if field == "median_s":
-            out.append(c["median_s"])
-        elif field == "target_s":
-            out.append(statistics.median(c["target_s"]) if c.get("target_s") else float("nan"))
-        elif field == "model_s":  # forward + logits
-            out.append(statistics.median(c["model_s"]) if c.get("model_s") else float("nan"))
-    return out
-
-
-def _median_dict(ds: list[dict]) -> dict:
-    keys = sorted({k for d in ds for k in d})
-    return {k: statistics.median(d.get(k, 0.0) for d in ds) for k in keys}
-
-
-def combined_phases(timer: dict, ops: dict | None) -> dict:
-    """Seconds per step by phase (:data:`COMBINED`): the timed forward split into the profiler's operator
-    classes (their self times; ``forward_python`` is the rest of the timed forward: Python between
-    operators); the other phases from the timers. Sums to the step."""
-    out = dict.fromkeys(COMBINED, 0.0)
-    fwd = float(timer.get("forward", 0.0))
-    split = dict.fromkeys(("gemm", "attention", "rope", "norms_elementwise", "aux_capture", "forward_python"), 0.0)
-    for key, v in (ops or {}).items():
-        scope, _, cls = key.partition("/")
-        if scope == "aux_capture":
-            if cls != "python":  # the adds themselves; the scope's own time is the profiler's
-                split["aux_capture"] += v
-        elif scope in ("layer", "forward"):
-            name = {"elementwise": "norms_elementwise", "python": "forward_python"}.get(cls, cls)
-            split[name] = split.get(name, 0.0) + v
-    # Operators keep their profiled self times (the profiler's own per-operator cost lands between
-    # operators, in its "python"); Python in the forward is what the timed forward leaves over.
-    ops_t = {n: v for n, v in split.items() if n != "forward_python"}
-    tot = sum(ops_t.values())
-    if tot > 0:
-        scale = min(1.0, fwd / tot)
-        for name, v in ops_t.items():
-            out[name] = v * scale
-        out["forward_python"] = max(0.0, fwd - tot * scale)
-    else:
-        out["forward_python"] = fwd  # no profile: the forward unsplit
-    for name in ("logits", "sampler", "rejection_sampler", "drafter", "draft_glue", "input_prep", "scheduler"):
-        out[name] = float(timer.get(name, 0.0))
-    out["other"] = sum(float(timer.get(n, 0.0)) for n in ("bookkeeping", "sample_other", "engine_other"))
-    out["step"] = float(timer.get("step", 0.0))
-    return out
-
-
-def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
-    from vllm_dspark.tools.bench import step_cost as S
-
-    cells = rec["cells"]
-    qs = sorted({c["x"] for c in cells if c["kind"] == "floor"})
-    profs = {(p["kind"], p["batch"], p.get("k", p.get("q"))): p["ops"] for p in rec.get("profiles", [])}
-    out: dict = {}
-    for b in batches:
-        plain = _per_repeat(cells, "plain", b, 0)
-        plain_model = _per_repeat(cells, "plain", b, 0, "model_s")
-        floor = {q: _per_repeat(cells, "floor", b, q) for q in qs}
-        hf = {q: _per_repeat(cells, "hf", b, q) for q in (1, 8) if any(c["kind"] == "hf" for c in cells)}
-        flin = {q: _per_repeat(cells, "floor_linear", b, q) for q in (1, 8)
-                if any(c["kind"] == "floor_linear" for c in cells)}
-        row: dict = {"plain_s": S.summarize(plain), "plain_model_s": S.summarize(plain_model),
-                     "floor_s": {q: S.summarize(v) for q, v in floor.items()},
-                     "hf_s": {q: S.summarize(v) for q, v in hf.items()},
-                     "floor_linear_s": {q: S.summarize(v) for q, v in flin.items()},
-                     "plain_vs_floor": S.ratio_summary(plain, floor.get(1, [])),
-                     "plain_model_vs_floor": S.ratio_summary(plain_model, floor.get(1, [])),
-                     "spec": {}}
-        for k in ks:
-            st = _per_repeat(cells, "spec", b, k)
-            tg = _per_repeat(cells, "spec", b, k, "target_s")
-            md = _per_repeat(cells, "spec", b, k, "model_s")
-            fl = floor.get(1 + k, [])
-            sel = [c for c in cells if c["kind"] == "spec" and c["batch"] == b and c["x"] == k]
-            row["spec"][k] = {
-                "step_s": S.summarize(st), "target_s": S.summarize(tg), "model_s": S.summarize(md),
-                "step_vs_plain": S.ratio_summary(st, plain), "target_vs_plain": S.ratio_summary(tg, plain),
-                "step_vs_floor": S.ratio_summary(st, fl), "target_vs_floor": S.ratio_summary(tg, fl),
-                "model_vs_floor": S.ratio_summary(md, fl),
-                "timer_phases_s": _median_dict([c["phases_mean_s"] for c in sel]),
-                "drafter_parts_s": {p: v for p, v in _median_dict([c["timers_mean_s"] for c in sel]).items()
-                                    if p.startswith("drafter.")},
-                "context_mean": statistics.mean(c["context_mean"] for c in sel if c.get("context_mean"))
-                if any(c.get("context_mean") for c in sel) else None,
-            }
-            pk = [kk for (kind, bb, kk) in profs if kind == "spec" and bb == b]
-            near = min(pk, key=lambda kk: (abs(kk - k), kk)) if pk else None  # unprofiled k: the nearest one's split
-            row["spec"][k]["profile_k"] = near
-            row["spec"][k]["phases_s"] = combined_phases(row["spec"][k]["timer_phases_s"],
-                                                         profs.get(("spec", b, near)))
-        sel = [c for c in cells if c["kind"] == "plain" and c["batch"] == b]
-        row["plain_timer_phases_s"] = _median_dict([c["phases_mean_s"] for c in sel])
-        row["plain_phases_s"] = combined_phases(row["plain_timer_phases_s"], profs.get(("plain", b, 0)))
-        row["plain_context_mean"] = statistics.mean(c["context_mean"] for c in sel if c.get("context_mean")) \
-            if any(c.get("context_mean") for c in sel) else None
-        if 0 in row["spec"]:
-            row["no_draft_extra_s"] = {p: row["spec"][0]["phases_s"].get(p, 0.0) - row["plain_phases_s"].get(p, 0.0)
-                                       for p in (*COMBINED, "step")}
-        vk = [k for k in ks if k >= 1]
-        if len(vk) >= 2:
-            row["growth_per_draft_s"] = {
-                p: S.linear_slope(vk, [row["spec"][k]["phases_s"].get(p, float("nan")) for k in vk])
-                for p in (*COMBINED, "step")}
-            row["growth_per_draft_s"]["floor"] = S.linear_slope(
-                vk, [row["floor_s"].get(1 + k, {}).get("median", float("nan")) for k in vk])
-        out[b] = row
-    prof: dict = {}
-    for p in rec.get("profiles", []):
-        key = f"{p['kind']} B={p['batch']} " + (f"k={p['k']}" if p["kind"] != "floor" else f"q={p['q']}")
-        prof[key] = {"profiled_step_s": p["profiled_step_s"], "ops_s": p["ops"]}
-    return {"by_batch": out, "profiles": prof}
-
-
-# ------------------------------------------------------------------ report
-
-
-def ms(s: dict | None, nd: int = 1) -> str:
-    if not s or not s.get("n"):
-        return "-"
-    return f"{1e3 * s['median']:.{nd}f} [{1e3 * s['min']:.{nd}f}-{1e3 * s['max']:.{nd}f}]"
-
-
-def rx(s: dict | None) -> str:
-    if not s or not s.get("n"):
-        return "-"
-    return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
-
-
-def lockstep_position_lines(cells: list[dict], a: dict) -> list[str]:
-    """The lockstep self-check: does a cell's step depend on which cell ran before it?"""
-    from vllm_dspark.tools.bench import step_cost as S
-
-    by: dict = {}
-    for c in cells:
-        if c.get("lockstep_rounds"):
-            by.setdefault((c["batch"], c["kind"], c["x"]), []).append(S.position_bias(c["step_s"]))
-    if not by:
-        return []
-    parts = [f"{kind} B={b} {'k' if kind in ('plain', 'spec') else 'q'}={x} "
-             f"{statistics.median(v):.3f} [{min(v):.3f}-{max(v):.3f}]" for (b, kind, x), v in sorted(by.items())]
-    return ["", f"Lockstep position check (a cell's median step in even rounds over odd rounds; the order "
-                f"reverses each round, so an end cell follows itself every other round; near 1 when a step does "
-                f"not depend on what ran before it; {a.get('lockstep_gap_ms', 0):g} ms pause before each step): "
-            + "; ".join(parts) + "."]
-
-
-def report(result: dict) -> str:
-    from vllm_dspark.tools.bench import step_cost as S
-
-    m = result["machine"]
-    a = result["args"]
-    cpu = m.get("cpu", {})
-    cmds = list(dict.fromkeys(d.get("command", result["command"]) for d in result["dtypes"].values()))
-    L = ["# Step cost: one target step by tokens per request, vLLM against the plain-PyTorch floor", "",
-         *([result["preamble"], ""] if result.get("preamble") else []),
-         *[f"`{c}`" for c in cmds], "",
-         f"- Machine: {cpu.get('Model name')} ({cpu.get('CPU(s)')} CPUs, {cpu.get('Hypervisor vendor') or 'bare'}); "
-         f"avx512_bf16: **{'yes' if cpu.get('avx512_bf16') else 'NO (bf16 emulated)'}**; "
-         f"bf16/AMX flags: {', '.join(cpu.get('bf16_flags') or []) or 'none'}.",
-         f"- Software: vLLM {result.get('vllm')}, torch {result.get('torch')}; {a['threads']} threads per process; "
-         f"eager mode; prefix caching on; " + (f"LD_PRELOAD {result['ld_preload']}." if result.get("ld_preload")
-                                               else "no LD_PRELOAD (vLLM's tcmalloc/iomp advice not applied)."),
-         f"- Cells: >= {a['min_seconds']} s and >= {a['min_steps']} steps each, {a['repeats']} interleaved "
-         f"repeats" + (f" in each of {a['builds']} builds (workers started anew, rotated order)"
-                       if a.get("builds", 1) > 1 else "")
-         + "; value = median step of a cell; shown as median [min-max] over repeats. "
-         + ("**Lockstep**: each speculative cell stepped in turn with the floor at its tokens per request "
-            "(the no-draft cell also with the plain decode cell), one step each per round. " if a.get("lockstep")
-            else "")
-         + 
-         f"Prompts {a['prompt_len']} tokens (random ids, distinct per request); floor cache {a['floor_context']} "
-         f"tokens.",
-         "- Measured: " + "; ".join(f"{dt} at {d.get('measured_at')} ({d.get('seconds', 0) / 60:.1f} min)"
-                                    for dt, d in result["dtypes"].items()) + ".", ""]
-    L += ["**What is timed.** A step is `EngineCore.step()` + `post_step()` in an in-process engine core "
-          "(schedule, execute_model, sample_tokens with the drafter, update_from_output, drafts to the "
-          "scheduler). *target step* = step minus `DSparkProposer.propose`. *model* = the target's forward + "
-          "logits alone. The floor is one forward of q tokens per request with logits at all q positions. "
-          "Ratios are per repeat, then median [min-max].", ""]
-    for dt, d in result["dtypes"].items():
-        an = d["analysis"]["by_batch"]
-        a = d.get("args", result["args"])
-        L += [f"## {dt}", "", f"`{d.get('command', result['command'])}`", ""]
-        L += ["### Headline", "",
-              "| batch | plain decode ms | plain / floor(1) | no-draft step ms | no-draft / plain | "
-              "no-draft / floor(1) | verify-8 step ms | verify-8 target ms | target / floor(8) | "
-              "step / floor(8) | floor(1) ms | floor(8) ms |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for b, row in an.items():
-            s0 = row["spec"].get(0, {})
-            kmax = max(row["spec"]) if row["spec"] else None
-            s7 = row["spec"].get(kmax, {}) if kmax else {}
-            L.append(f"| {b} | {ms(row['plain_s'])} | {rx(row['plain_vs_floor'])} | {ms(s0.get('step_s'))} | "
-                     f"{rx(s0.get('step_vs_plain'))} | {rx(s0.get('step_vs_floor'))} | {ms(s7.get('step_s'))} | "
-                     f"{ms(s7.get('target_s'))} | {rx(s7.get('target_vs_floor'))} | {rx(s7.get('step_vs_floor'))} | "
-                     f"{ms(row['floor_s'].get(1))} | {ms(row['floor_s'].get(8))} |")
-        shares = [c.get("foreign_cpu_share", 0.0) for c in d["cells"]]
-        if shares:
-            bad = [c for c in d["cells"] if c.get("foreign_cpu_share", 0.0) > 0.2]
-            L += ["", f"Other processes during the cells: median {statistics.median(shares):.2f} CPUs, max "
-                  f"{max(shares):.2f} (of {result['machine'].get('cpu', {}).get('CPU(s)')}); "
-                  f"{len(bad)} of {len(shares)} cells above 0.2 CPUs"
-                  + (": " + ", ".join(f"{c['kind']} B={c['batch']} x={c['x']} r{c['repeat']} "
-                                      f"({c['foreign_cpu_share']:.2f})" for c in bad[:12]) if bad else "") + "."]
-        L += lockstep_position_lines(d["cells"], a)
-        L += ["", "Goals of issue 18 (met only when the whole spread allows it):", ""]
-        for b, row in an.items():
-            s0 = row["spec"].get(0, {})
-            kmax = max(row["spec"]) if row["spec"] else 0
-            s7 = row["spec"].get(kmax, {}) if kmax else {}  # a run without k > 0 has no verify step
-            L.append(f"- batch {b}: no-draft step <= 1.03x plain: "
-                     f"**{S.spread_allows(s0.get('step_vs_plain'), 1.03)}** ({rx(s0.get('step_vs_plain'))}); "
-                     f"verify-8 target step <= 1.1x floor(8): "
-                     f"**{S.spread_allows(s7.get('target_vs_floor'), 1.1)}** ({rx(s7.get('target_vs_floor'))})")
-        L += ["", "### Step time by tokens per request (ms)", "",
-              "| batch | tokens/req | floor | vLLM model (fwd+logits) | spec target step | spec step | "
-              "step / floor | target / floor | model / floor |", "|---|---|---|---|---|---|---|---|---|"]
-        for b, row in an.items():
-            L.append(f"| {b} | 1 (plain) | {ms(row['floor_s'].get(1))} | {ms(row['plain_model_s'])} | "
-                     f"{ms(row['plain_s'])} | {ms(row['plain_s'])} | {rx(row['plain_vs_floor'])} | "
-                     f"{rx(row['plain_vs_floor'])} | {rx(row['plain_model_vs_floor'])} |")
-            for k, s in row["spec"].items():
-                L.append(f"| {b} | {1 + k} ({'no drafts' if k == 0 else f'k={k}'}) | "
-                         f"{ms(row['floor_s'].get(1 + k))} | {ms(s['model_s'])} | {ms(s['target_s'])} | "
-                         f"{ms(s['step_s'])} | {rx(s['step_vs_floor'])} | {rx(s['target_vs_floor'])} | "
-                         f"{rx(s['model_vs_floor'])} |")
-        L += ["", "Slower references at the same shapes (not the floor): the floor with plain `F.linear` "
-              "instead of packed oneDNN weights, and transformers' LlamaForCausalLM + DynamicCache (SDPA):", ""]
-        for b, row in an.items():
-            fl, hf = row.get("floor_linear_s") or {}, row.get("hf_s") or {}
-            L.append(f"- batch {b}: floor F.linear q=1 {ms(fl.get(1))}, q=8 {ms(fl.get(8))} ms; transformers q=1 "
-                     f"{ms(hf.get(1))}, q=8 {ms(hf.get(8))} ms")
-        L += ["", "### Where a step's time goes (ms per step)", "",
-              "Timers around the engine's methods (median over repeats of each cell's mean over its typical "
-              "steps, those within 1.3x of its median step); the target forward split into "
-              "its operator classes under torch.profiler (self times of GEMM, attention, RoPE, norms and other "
-              "elementwise ops, the aux hidden-state adds; `forward_python` = the timed forward minus those: "
-              "Python between operators; profiled at k = "
-              f"{', '.join(str(k) for k in a.get('profile_ks', []))}, other k use the nearest profiled split). "
-              "`drafter` = "
-              "DSparkProposer.propose; `draft glue` = the runner's propose_draft_token_ids around it (the "
-              "concat of the aux hidden states, next-token preparation); `other` = bookkeeping and the "
-              "engine's glue.", ""]
-        L += ["| batch | step | " + " | ".join(COMBINED) + " | total |", "|---" * (len(COMBINED) + 3) + "|"]
-        for b, row in an.items():
-            variants = [("plain", row["plain_phases_s"])] + [(("no drafts" if k == 0 else f"k={k}"), s["phases_s"])
-                                                              for k, s in row["spec"].items()]
-            for name, ph in variants:
-                L.append(f"| {b} | {name} | " + " | ".join(f"{1e3 * ph.get(c, 0.0):.2f}" for c in COMBINED)
-                         + f" | {1e3 * ph.get('step', 0.0):.2f} |")
-        L += ["", "**No-draft step minus plain decode step, by phase** (ms; positive = the speculative engine "
-              "pays more):", "",
-              "| batch | " + " | ".join(COMBINED) + " | step |", "|---" * (len(COMBINED) + 2) + "|"]
-        for b, row in an.items():
-            ex = row.get("no_draft_extra_s")
-            if ex:
-                L.append(f"| {b} | " + " | ".join(f"{1e3 * ex.get(c, 0.0):+.2f}" for c in (*COMBINED, "step")) + " |")
-        L += ["", "**What grows with k** (ms per extra draft per step: least-squares slope over k = 1..7; "
-              "`floor` = the floor's slope per extra token):", "",
-              "| batch | " + " | ".join((*COMBINED, "step", "floor")) + " |", "|---" * (len(COMBINED) + 3) + "|"]
-        for b, row in an.items():
-            g = row.get("growth_per_draft_s")
-            if g:
-                L.append(f"| {b} | " + " | ".join(f"{1e3 * g.get(p, 0.0):.2f}" for p in (*COMBINED, "step", "floor"))
-                         + " |")
-        L += ["", "The drafter's own parts (ms per step, the proposer's timings):", "",
-              "| batch | k | " + " | ".join(DRAFTER_PARTS) + " |", "|---" * (len(DRAFTER_PARTS) + 2) + "|"]
-        for b, row in an.items():
-            for k, s in row["spec"].items():
-                dp = s.get("drafter_parts_s") or {}
-                L.append(f"| {b} | {k} | " + " | ".join(f"{1e3 * dp.get('drafter.' + p, 0.0):.2f}"
-                                                      for p in DRAFTER_PARTS) + " |")
-        prof = d["analysis"]["profiles"]
-        floors = {k: v for k, v in prof.items() if k.startswith("floor")}
-        if floors:
-            L += ["", "The floor under torch.profiler (ms per step, self CPU time by operator class; the LM head "
-                  "timed alone is part of `gemm`):", ""]
-            for key, p in floors.items():
-                L.append(f"- {key} (profiled step {1e3 * p['profiled_step_s']:.1f} ms): "
-                         + ", ".join(f"{n} {1e3 * v:.1f}" for n, v in p["ops_s"].items()))
-        L += ["", "### Floor check (max abs logit difference)", "",
-              f"Tolerance for {dt}: {d.get('tolerance')} (the run fails past it).", ""]
-        for name, c in d["logits_check"].items():
-            L.append(f"- {name}: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                               for k, v in c.items()))
-        L.append("")
-        for w, info in d.get("workers", {}).items():
-            L.append(f"- {w}: {info.get('threads')} threads, started in {info.get('start_seconds', 0):.0f} s")
-        L += [f"- load before: {d['load_before'].get('loadavg')}, after: {d['load_after'].get('loadavg')}", ""]
-    if result.get("notes"):
-        L += ["## Notes", ""] + [f"- {n}" for n in result["notes"]] + [""]
-    return "\n".join(L)
-
-
-def plots(result: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    dts = list(result["dtypes"])
-    batches = list(next(iter(result["dtypes"].values()))["analysis"]["by_batch"])
-
-    def err(s):
-        return ([1e3 * (s["median"] - s["min"])], [1e3 * (s["max"] - s["median"])])
-
-    fig, axes = plt.subplots(len(dts), len(batches), figsize=(4.6 * len(batches), 3.8 * len(dts)), squeeze=False)
-    for i, dt in enumerate(dts):
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for j, b in enumerate(batches):
-            ax = axes[i][j]
-            row = an[b]
-            fq = sorted(row["floor_s"])
-            ax.errorbar(fq, [1e3 * row["floor_s"][q]["median"] for q in fq],
-                        yerr=[[1e3 * (row["floor_s"][q]["median"] - row["floor_s"][q]["min"]) for q in fq],
-                              [1e3 * (row["floor_s"][q]["max"] - row["floor_s"][q]["median"]) for q in fq]],
-                        marker="o", color="k", label="floor (PyTorch)", capsize=2)
-            ks = sorted(k for k in row["spec"] if k >= 1)
-            for field, label, color in (("step_s", "spec step (verify k)", "tab:red"),
-                                        ("target_s", "spec target step", "tab:orange"),
-                                        ("model_s", "vLLM model (fwd+logits)", "tab:purple")):
-                ys = [row["spec"][k][field] for k in ks]
-                ax.errorbar([1 + k for k in ks], [1e3 * s["median"] for s in ys],
-                            yerr=[[1e3 * (s["median"] - s["min"]) for s in ys], [1e3 * (s["max"] - s["median"])
-                                                                                for s in ys]],
-                            marker=".", color=color, label=label, capsize=2)
-            ax.errorbar([1], [1e3 * row["plain_s"]["median"]], yerr=err(row["plain_s"]), marker="s",
-                        color="tab:blue", label="plain decode step", capsize=2, linestyle="none")
-            if 0 in row["spec"]:
-                s0 = row["spec"][0]["step_s"]
-                ax.errorbar([1.1], [1e3 * s0["median"]], yerr=err(s0), marker="^", color="tab:green",
-                            label="spec step, no drafts", capsize=2, linestyle="none")
-            if row.get("hf_s"):
-                hq = sorted(row["hf_s"])
-                ax.plot(hq, [1e3 * row["hf_s"][q]["median"] for q in hq], "x--", color="grey",
-                        label="transformers + DynamicCache")
-            ax.set_title(f"{dt}, batch {b}")
-            ax.set_xlabel("tokens per request")
-            ax.set_ylabel("ms per step")
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=110)
-    plt.close(fig)
-    made.append("step_time.png")
-
-    fig, axes = plt.subplots(1, len(dts), figsize=(5.5 * len(dts), 4), squeeze=False)
-    for i, dt in enumerate(dts):
-        ax = axes[0][i]
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for b, color in zip(batches, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-            row = an[b]
-            ks = sorted(row["spec"])
-            xs = [1 + k for k in ks]
-            ax.plot(xs, [row["spec"][k]["target_vs_floor"]["median"] for k in ks], "o-", color=color,
-                    label=f"B={b} target step / floor")
-            ax.plot(xs, [row["spec"][k]["step_vs_floor"]["median"] for k in ks], "x:", color=color,
-                    label=f"B={b} step (with drafter) / floor")
-            ax.plot([1], [row["plain_vs_floor"]["median"]], "s", color=color)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(1.1, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{dt}: ratio to the floor at the same tokens/request (square: plain decode)")
-        ax.set_xlabel("tokens per request (1 = no drafts)")
-        ax.set_ylabel("x floor")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "ratio_to_floor.png", dpi=110)
-    plt.close(fig)
-    made.append("ratio_to_floor.png")
-
-    fig, axes = plt.subplots(len(dts), len(batches), figsize=(4.6 * len(batches), 3.8 * len(dts)), squeeze=False)
-    colors = plt.get_cmap("tab20").colors
-    for i, dt in enumerate(dts):
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for j, b in enumerate(batches):
-            ax = axes[i][j]
-            row = an[b]
-            variants = [("plain", row["plain_phases_s"])] + [(f"k={k}", s["phases_s"])
-                                                              for k, s in sorted(row["spec"].items())]
-            bottom = [0.0] * len(variants)
-            for c, p in enumerate(COMBINED):
-                vals = [1e3 * ph.get(p, 0.0) for _, ph in variants]
-                ax.bar(range(len(variants)), vals, bottom=bottom, color=colors[c % 20], label=p)
-                bottom = [x + y for x, y in zip(bottom, vals)]
-            fq = [1 if n == "plain" else 1 + int(n[2:]) for n, _ in variants]
-            ax.plot(range(len(variants)), [1e3 * row["floor_s"].get(q, {}).get("median", float("nan")) for q in fq],
-                    "k_", markersize=14, mew=2, label="floor (same tokens/req)")
-            ax.set_xticks(range(len(variants)), [n for n, _ in variants], fontsize=7)
-            ax.set_title(f"{dt}, batch {b}: phases")
-            ax.set_ylabel("ms per step")
-            if i == 0 and j == len(batches) - 1:
-                ax.legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=110)
-    plt.close(fig)
-    made.append("phases.png")
-    return made
+def render_only(out: Path) -> int:
+    """The report and plots of a record made again from its results.json, by today's analysis."""
+    path = out / "results.json"
+    if not path.is_file():
+        print(f"bench_step_cost: --render-only needs {path}", file=sys.stderr)
+        return 2
+    result = json.loads(path.read_text(), object_hook=int_keys)
+    for rec in result["dtypes"].values():
+        a = rec.get("args", result.get("args", {}))
+        rec["analysis"] = analyse(rec, a["batches"], a["ks"])
+    made = write_outputs(result, out)
+    log(f"re-rendered {out}/report.md and {', '.join(made)} from {path}")
+    return 0
 
 
 def main(argv=None) -> int:
     import signal
 
     args = parse_args(argv)
+    if args.render_only:
+        return render_only(args.out)
     if argv is None:  # run as a script (the re-exec repeats its command line)
         from vllm_dspark.tools.bench import cpu_setup
 
@@ -852,14 +453,11 @@ def main(argv=None) -> int:
                     failed.append(f"{dt} {name}: max abs logit diff {d:.4g} > {tol}")
         # Write after each dtype so a long run keeps what it measured.
         result["seconds"] = time.monotonic() - t0
-        (args.out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
+        (args.out / "results.json").write_text(json.dumps(result, indent=1, default=json_default))
     result["seconds"] = time.monotonic() - t0
     if failed:
         result["notes"] += [f"FLOOR CHECK FAILED: {f}" for f in failed]
-    (args.out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
-    (args.out / "report.md").write_text(report(json.loads(json.dumps(result, default=_json_default),
-                                                          object_hook=_int_keys)))
-    made = plots(json.loads(json.dumps(result, default=_json_default), object_hook=_int_keys), args.out)
+    made = write_outputs(result, args.out)
     log(f"wrote {args.out}/results.json, report.md, {', '.join(made)} in {result['seconds'] / 60:.1f} min")
     if failed:
         for f in failed:
@@ -868,20 +466,13 @@ def main(argv=None) -> int:
     return 0
 
 
-def write_outputs(result: dict, out: Path) -> list[str]:
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=_json_default))
-    plain = json.loads(json.dumps(result, default=_json_default), object_hook=_int_keys)
-    (out / "report.md").write_text(report(plain))
-    return plots(plain, out)
-
-
 def profile_only(args, paths: dict, result: dict, command: str) -> int:
     """Re-take the profiler pass of dtypes already in --out/results.json and re-analyse them (timed cells kept)."""
     path = args.out / "results.json"
     if not path.is_file():
         print(f"bench_step_cost: --profile-only needs {path}", file=sys.stderr)
         return 2
-    prev = json.loads(path.read_text(), object_hook=_int_keys)
+    prev = json.loads(path.read_text(), object_hook=int_keys)
     for dt in args.dtypes:
         old = prev["dtypes"].get(dt)
         if old is None:
@@ -903,18 +494,6 @@ def profile_only(args, paths: dict, result: dict, command: str) -> int:
     made = write_outputs(prev, args.out)
     log(f"re-profiled {', '.join(args.dtypes)}; wrote {args.out}/results.json, report.md, {', '.join(made)}")
     return 0
-
-
-def _json_default(o):
-    if isinstance(o, Path):
-        return str(o)
-    if isinstance(o, float) and math.isnan(o):
-        return None
-    raise TypeError(type(o).__name__)
-
-
-def _int_keys(d: dict) -> dict:
-    return {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in d.items()}
 
 
 if __name__ == "__main__":

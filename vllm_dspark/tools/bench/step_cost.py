@@ -70,7 +70,7 @@ def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:
     return summarize(pairs)
 
 
-def spread_allows(summary: dict, goal: float) -> str:
+def spread_allows(summary: dict | None, goal: float) -> str:
     """Whether a ratio goal (``<= goal``) is met given the spread: "met", "missed" or "within noise"."""
     if not summary or summary.get("n", 0) == 0 or math.isnan(summary["median"]):
         return "not measured"
