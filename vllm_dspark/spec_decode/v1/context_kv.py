@@ -26,8 +26,17 @@ cache, and a held write must never land on a block that changed hands:
   free a held slot (its window must exceed ``max_steps`` plus one KV block;
   the proposer holds nothing otherwise).
 
-Dropping costs only draft quality: a later request that reuses a dropped
-request's cached prefix finds up to ``max_steps`` positions without drafter K/V.
+Dropping costs at most draft quality, and seldom that. The dropped positions
+are a request's last ``max_steps`` or fewer; only full blocks are cached, so
+with blocks of at least ``max_steps`` tokens (128 on CPU, 16 on GPU) the cached
+ones among them all lie in the request's last full block, and vLLM's EAGLE
+block drop (on for DSpark unless ``disable_eagle_block_drop``) recomputes the
+last block of every prefix-cache hit: a hit that ends there does not read
+them. A hit that runs through that block into blocks another request with the
+same prefix cached later, or any hit with the drop disabled or smaller blocks,
+finds up to ``max_steps`` positions without drafter K/V: its drafts are
+verified as always, only accepted less.
+
 The stores are exactly the eager ones, batched: the same positions, slots and
 states, in the same order.
 """
