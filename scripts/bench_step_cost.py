@@ -121,11 +121,16 @@ def parse_args(argv=None):
                     help="run the plain and the speculative engine in one process, the second reading the first's "
                          "target weights (separate processes' weights land in different memory: the same forward "
                          "ran 0.96-1.18x apart over 4 starts)")
+    ap.add_argument("--floor-in-pair", action="store_true",
+                    help="with --share-weights: the floor runs in the engines' process too (its own weights, the "
+                         "same OpenMP threads); builds rotate the order the three are built in")
     ap.add_argument("--builds", type=int, default=1,
                     help="start the workers this many times, in a rotated order, each build measuring every "
                          "cell --repeats times (a start's weight placement biases its repeats alike)")
     ap.add_argument("--quick", action="store_true", help="smoke test: few cells, short, one repeat")
     a = ap.parse_args(argv)
+    if a.floor_in_pair and not a.share_weights:
+        ap.error("--floor-in-pair runs the floor in the pair's process: add --share-weights")
     q = a.quick
     a.out = Path(a.out or ("/tmp/step-cost-quick" if q else ROOT / "docs" / "benchmarks" / "step-cost"))
     a.dtypes = (a.dtypes or ("bfloat16" if q else "bfloat16,float32")).split(",")
@@ -261,10 +266,13 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
              "floor": (S.EngineSpec("floor", paths["target"], None, dtype, threads=args.threads), floor_env)}
     if args.share_weights:
         # Builds alternate which engine is built first (and owns the weights) and which process starts first.
-        pair_order = ("plain", "spec") if build % 2 == 0 else ("spec", "plain")
+        pair_order: tuple[str, ...] = ("plain", "spec") if build % 2 == 0 else ("spec", "plain")
+        if args.floor_in_pair:  # the floor built first, second or third, in turn
+            at = build % 3
+            pair_order = (*pair_order[:at], "floor", *pair_order[at:])
         pair = (S.EngineSpec("pair", paths["target"], paths["draft"], dtype, kv_space_gib=args.kv_space,
                              order=pair_order), env)
-        specs = {"pair": pair, "floor": specs["floor"]}
+        specs = {"pair": pair} if args.floor_in_pair else {"pair": pair, "floor": specs["floor"]}
     order = list(specs)
     order = order[build % len(order):] + order[:build % len(order)]
     workers: dict = {}
@@ -279,7 +287,8 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
         log(f"[pair/{dtype}] {workers['pair'].info['order'][1]} reads {workers['pair'].info['order'][0]}'s target "
             f"weights ({workers['pair'].info['shared_tensors']} tensors and packed linears shared)")
         workers = {"pair": workers["pair"], "plain": S.EngineProxy(workers["pair"], "plain"),
-                   "spec": S.EngineProxy(workers["pair"], "spec"), "floor": workers["floor"]}
+                   "spec": S.EngineProxy(workers["pair"], "spec"),
+                   "floor": S.EngineProxy(workers["pair"], "floor") if args.floor_in_pair else workers["floor"]}
     return workers
 
 

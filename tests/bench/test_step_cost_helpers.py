@@ -133,3 +133,13 @@ def test_lockstep_pauses_before_every_step():
     t0 = time.perf_counter()
     _, rounds = run_lockstep([(w, {})], min_seconds=3.0, min_steps=1, gap_s=0.02)
     assert rounds == 3 and time.perf_counter() - t0 >= 0.06
+
+
+def test_pair_order_names_each_engine_once_and_the_floor_at_most_once():
+    import pytest
+
+    from vllm_dspark.tools.bench.step_cost import EngineSpec, PairServer
+
+    for order in (("plain",), ("plain", "plain"), ("plain", "spec", "floor", "floor"), ("plain", "spec", "hf")):
+        with pytest.raises(ValueError, match="order must name"):
+            PairServer(EngineSpec("pair", "/nonexistent", None, "bfloat16", order=order))

@@ -425,11 +425,17 @@ class PairServer:
 
     def __init__(self, spec: EngineSpec):
         from vllm_dspark.tools.bench.shared_weights import share_weights, target_model
+        from vllm_dspark.tools.bench.step_floor import FloorServer
 
-        if sorted(spec.order) != ["plain", "spec"]:
-            raise ValueError(f"PairServer: order must name 'plain' and 'spec' once each, got {spec.order}")
-        self.engines = {name: EngineServer(dataclasses.replace(spec, kind=name)) for name in spec.order}
-        first, second = (self.engines[n] for n in spec.order)
+        if sorted(n for n in spec.order if n != "floor") != ["plain", "spec"] or spec.order.count("floor") > 1:
+            raise ValueError(f"PairServer: order must name 'plain' and 'spec' once each (and 'floor' at most once), "
+                             f"got {spec.order}")
+        # The floor (lockstep --floor-in-pair) keeps its own weights, read from the checkpoint, and the
+        # threads vLLM's worker bound (threads=None), so that the three time on the same OpenMP pool.
+        self.engines: dict[str, Any] = {
+            name: FloorServer(dataclasses.replace(spec, kind=name, threads=None)) if name == "floor"
+            else EngineServer(dataclasses.replace(spec, kind=name)) for name in spec.order}
+        first, second = (self.engines[n] for n in spec.order if n != "floor")
         self.shared = share_weights(target_model(second.llm), target_model(first.llm))
 
     def info(self) -> dict:
@@ -444,9 +450,11 @@ class EngineProxy:
     def __init__(self, worker: Worker, name: str):
         self.worker, self.name = worker, name
         self.spec = dataclasses.replace(worker.spec, kind=name)
+        engines = [n for n in worker.info["order"] if n != "floor"]
         self.info = {**worker.info["engines"][name], "start_seconds": worker.info["start_seconds"],
-                     "shares_weights_with": [n for n in worker.info["order"] if n != name][0],
-                     "weights_owner": worker.info["order"][0] == name}
+                     "built": worker.info["order"].index(name),
+                     "shares_weights_with": None if name == "floor" else [n for n in engines if n != name][0],
+                     "weights_owner": engines[0] == name}
 
     @property
     def pid(self) -> int | None:
