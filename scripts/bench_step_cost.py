@@ -284,8 +284,9 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
             w.close()
         raise
     if "pair" in workers:
-        log(f"[pair/{dtype}] {workers['pair'].info['order'][1]} reads {workers['pair'].info['order'][0]}'s target "
-            f"weights ({workers['pair'].info['shared_tensors']} tensors and packed linears shared)")
+        owner, reader = (n for n in workers["pair"].info["order"] if n != "floor")
+        log(f"[pair/{dtype}] {reader} reads {owner}'s target weights ({workers['pair'].info['shared_tensors']} "
+            f"tensors and packed linears shared); built in the order {', '.join(workers['pair'].info['order'])}")
         workers = {"pair": workers["pair"], "plain": S.EngineProxy(workers["pair"], "plain"),
                    "spec": S.EngineProxy(workers["pair"], "spec"),
                    "floor": S.EngineProxy(workers["pair"], "floor") if args.floor_in_pair else workers["floor"]}
