@@ -103,7 +103,8 @@ def parse_args(argv=None):
     ap.add_argument("--profile-only", action="store_true",
                     help="re-take only the profiler pass of the dtypes in --out/results.json (timed cells kept)")
     ap.add_argument("--render-only", action="store_true",
-                    help="measure nothing: analyse --out/results.json again and rewrite its report.md and plots")
+                    help="measure nothing: analyse --out/results.json again and rewrite its analysis, report.md "
+                         "and plots")
     ap.add_argument("--append", action="store_true",
                     help="keep the other dtypes already in --out/results.json (measure one dtype per run)")
     ap.add_argument("--cpu-setup", action="store_true",
@@ -284,7 +285,7 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
             w.close()
         raise
     if "pair" in workers:
-        owner, reader = (n for n in workers["pair"].info["order"] if n != "floor")
+        owner, reader = workers["pair"].info["weights"]
         log(f"[pair/{dtype}] {reader} reads {owner}'s target weights ({workers['pair'].info['shared_tensors']} "
             f"tensors and packed linears shared); built in the order {', '.join(workers['pair'].info['order'])}")
         workers = {"pair": workers["pair"], "plain": S.EngineProxy(workers["pair"], "plain"),

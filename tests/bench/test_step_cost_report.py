@@ -25,7 +25,7 @@ def test_the_committed_record_is_what_its_measurements_say():
     assert report(result) == (RECORD / "report.md").read_text()
 
 
-def test_the_report_follows_the_measurements(tmp_path):
+def test_the_report_follows_the_measurements():
     # One verify-8 step at batch 1 made 10x slower in every repeat: the goal's ratio moves with it.
     result = _load()
     rec = result["dtypes"]["bfloat16"]

@@ -435,13 +435,14 @@ class PairServer:
         self.engines: dict[str, Any] = {
             name: FloorServer(dataclasses.replace(spec, kind=name, threads=None)) if name == "floor"
             else EngineServer(dataclasses.replace(spec, kind=name)) for name in spec.order}
-        first, second = (self.engines[n] for n in spec.order if n != "floor")
-        self.shared = share_weights(target_model(second.llm), target_model(first.llm))
+        self.weights = [n for n in spec.order if n != "floor"]  # [owner, reader] of the target's weights
+        owner, reader = (self.engines[n] for n in self.weights)
+        self.shared = share_weights(target_model(reader.llm), target_model(owner.llm))
 
     def info(self) -> dict:
         engines = {n: e.info() for n, e in self.engines.items()}
-        return {"kind": "pair", "order": list(self.engines), "shared_tensors": self.shared, "pid": os.getpid(),
-                "threads": engines["plain"]["threads"], "engines": engines}
+        return {"kind": "pair", "order": list(self.engines), "weights": self.weights, "shared_tensors": self.shared,
+                "pid": os.getpid(), "threads": engines["plain"]["threads"], "engines": engines}
 
 
 class EngineProxy:
@@ -450,11 +451,11 @@ class EngineProxy:
     def __init__(self, worker: Worker, name: str):
         self.worker, self.name = worker, name
         self.spec = dataclasses.replace(worker.spec, kind=name)
-        engines = [n for n in worker.info["order"] if n != "floor"]
+        owner, reader = worker.info["weights"]
         self.info = {**worker.info["engines"][name], "start_seconds": worker.info["start_seconds"],
                      "built": worker.info["order"].index(name),
-                     "shares_weights_with": None if name == "floor" else [n for n in engines if n != name][0],
-                     "weights_owner": engines[0] == name}
+                     "shares_weights_with": {owner: reader, reader: owner}.get(name),
+                     "weights_owner": owner == name}
 
     @property
     def pid(self) -> int | None:
