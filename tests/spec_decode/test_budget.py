@@ -330,6 +330,27 @@ def test_probes_rotate_over_the_requests_within_their_caps():
     assert B.Plan.from_wire(plan.to_wire()) == plan
 
 
+def test_a_mode_nothing_has_measured_is_probed_when_it_joins():
+    pol = B.BudgetPolicy(7, costs=cpu_costs())
+    caps, greedy = [7] * 4, np.zeros(4, dtype=bool)
+    for _ in range(60):  # greedy probes, every one rejected: the shared wait grows
+        plan = pol.plan(caps, greedy)
+        kept = pol.probe_kept(plan, caps) if plan.mode == "probe" else []
+        pol.feedback(plan.mode, [([0.9] * 7, k, 0, False) for k in kept if k])
+    assert pol.period >= 16 and pol.wait > 1, pol.report()
+    assert pol.plan(caps, greedy) == B.SKIP  # greedy requests alone keep waiting
+    caps6, mixed = [7] * 6, np.array([False, True, False, False, True, False])  # two sampled requests join
+    assert not pol.calibrator.measured(True)
+    plan = pol.plan(caps6, mixed)
+    assert plan.mode == "probe" and {1, 4} <= set(plan.rows), (plan, pol.report())
+    kept = pol.probe_kept(plan, caps6)
+    pol.feedback("probe", [([0.9] * 7, k, 0, bool(mixed[i])) for i, k in enumerate(kept) if k])
+    assert pol.calibrator.measured(True)
+    assert pol.plan(caps6, mixed) == B.SKIP  # measured now: the sampled requests wait like the others
+    lv = pol.calibrator.levels()[:, 0]
+    assert lv[1] < pol.trust.prior_acceptance and lv[1] > lv[0], lv  # its own two rejections, not greedy's
+
+
 def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     from vllm_dspark.spec_decode.common import profile as P
 

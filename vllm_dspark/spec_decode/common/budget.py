@@ -190,6 +190,13 @@ class BudgetPolicy:
       rejected. Nothing is admitted but probes (with the doubling wait) until a
       probe is accepted.
 
+    Greedy and sampled requests are measured apart (a sampled draft is accepted
+    by a different rule), but they share one wait. So when requests of a mode
+    nothing has measured yet join the batch, the wait ends at once, and the
+    probe that follows takes their rows first: sampled requests arriving after
+    greedy ones had grown the wait to hundreds of steps would otherwise wait
+    that long for their first look.
+
     Pure logic (numpy only); the proposer feeds it acceptances and confidences,
     and under tensor parallelism only the deciding rank runs it.
     """
@@ -212,6 +219,7 @@ class BudgetPolicy:
         self.draft_pays_next = False
         self.credit: float | None = None  # seconds of probing the measurements do not justify (None: unset)
         self._cursor = 0
+        self._fresh_present = False  # the last plan's batch had a request of an unmeasured mode
         self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
 
     # -------------------------------------------------------------- feedback
@@ -284,6 +292,10 @@ class BudgetPolicy:
             self.wait, self.wait_batch = self.period, r
         if self.wait_batch and not (self.wait_batch / 2 <= r <= self.wait_batch * 2):
             self.wait = 0  # the load changed: look again now
+        fresh = bool(self._fresh_rows(caps, sampled))
+        if fresh and not self._fresh_present:
+            self.wait = 0  # a mode nothing has measured joined: the wait was earned by the other one
+        self._fresh_present = fresh
         self.wait -= 1
         if self.wait > 0:
             return SKIP
@@ -295,11 +307,19 @@ class BudgetPolicy:
                 return DRAFT
         return self._probe(caps, sampled, cost)
 
-    def _probe_rows(self, caps: Sequence[int]) -> tuple[int, ...]:
+    def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
+        """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
+        return [i for i, c in enumerate(caps) if c > 0 and not self.calibrator.measured(bool(sampled[i]))]
+
+    def _probe_rows(self, caps: Sequence[int], sampled: np.ndarray) -> tuple[int, ...]:
+        """Up to ``probe_requests`` rows in turn, those of an unmeasured mode first."""
         eligible = [i for i, c in enumerate(caps) if c > 0]
         take = min(len(eligible), self.trust.probe_requests)
         start = self._cursor % len(eligible)
-        return tuple(sorted(eligible[(start + j) % len(eligible)] for j in range(take)))
+        turn = [eligible[(start + j) % len(eligible)] for j in range(len(eligible))]
+        fresh = set(self._fresh_rows(caps, sampled))
+        first = [i for i in turn if i in fresh] + [i for i in turn if i not in fresh]
+        return tuple(sorted(first[:take]))
 
     def _probe_cost(self, r: int) -> float:
         """Seconds a probe adds to a plain step of ``r`` requests (drafter priced as a full draft step)."""
@@ -321,7 +341,7 @@ class BudgetPolicy:
             self.wait = self.period
             return SKIP
         self.credit -= cost
-        rows = self._probe_rows(caps)
+        rows = self._probe_rows(caps, sampled)
         self._cursor += len(rows)
         self.counters["probes"] += 1
         return Plan("probe", rows, k)

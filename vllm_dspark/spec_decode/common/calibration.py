@@ -54,6 +54,10 @@ class Calibrator:
     def _bin(self, c: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(c) * self.bins).astype(np.int64), 0, self.bins - 1)
 
+    def measured(self, sampled: bool) -> bool:
+        """Whether any draft of this mode has been verified yet (the report's counts never fade)."""
+        return bool(self.total_counts[int(sampled)].sum() > 0)
+
     def levels(self) -> np.ndarray:
         """[2, P] measured conditional acceptance per mode and position (the chained pessimistic prior)."""
         h = self.hits.sum(axis=2)
