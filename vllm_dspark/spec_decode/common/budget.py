@@ -309,7 +309,11 @@ class BudgetPolicy:
 
     def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
         """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
-        return [i for i, c in enumerate(caps) if c > 0 and not self.calibrator.measured(bool(sampled[i]))]
+        unmeasured = np.array([not self.calibrator.measured(False), not self.calibrator.measured(True)])
+        if not unmeasured.any():
+            return []
+        rows = (np.asarray(caps) > 0) & unmeasured[np.asarray(sampled, dtype=np.int64)]
+        return np.flatnonzero(rows).tolist()
 
     def _probe_rows(self, caps: Sequence[int], sampled: np.ndarray) -> tuple[int, ...]:
         """Up to ``probe_requests`` rows in turn, those of an unmeasured mode first."""
