@@ -292,10 +292,10 @@ class BudgetPolicy:
             self.wait, self.wait_batch = self.period, r
         if self.wait_batch and not (self.wait_batch / 2 <= r <= self.wait_batch * 2):
             self.wait = 0  # the load changed: look again now
-        fresh = bool(self._fresh_rows(caps, sampled))
+        fresh = self._fresh_rows(caps, sampled)
         if fresh and not self._fresh_present:
             self.wait = 0  # a mode nothing has measured joined: the wait was earned by the other one
-        self._fresh_present = fresh
+        self._fresh_present = bool(fresh)
         self.wait -= 1
         if self.wait > 0:
             return SKIP
@@ -305,7 +305,7 @@ class BudgetPolicy:
             if self._pays(self.level_survival(sampled), caps):
                 self.state = "drafting"
                 return DRAFT
-        return self._probe(caps, sampled, cost)
+        return self._probe(caps, sampled, cost, fresh)
 
     def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
         """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
@@ -315,14 +315,14 @@ class BudgetPolicy:
         rows = (np.asarray(caps) > 0) & unmeasured[np.asarray(sampled, dtype=np.int64)]
         return np.flatnonzero(rows).tolist()
 
-    def _probe_rows(self, caps: Sequence[int], sampled: np.ndarray) -> tuple[int, ...]:
-        """Up to ``probe_requests`` rows in turn, those of an unmeasured mode first."""
+    def _probe_rows(self, caps: Sequence[int], fresh: Sequence[int]) -> tuple[int, ...]:
+        """Up to ``probe_requests`` rows in turn, those of an unmeasured mode (``fresh``) first."""
         eligible = [i for i, c in enumerate(caps) if c > 0]
         take = min(len(eligible), self.trust.probe_requests)
         start = self._cursor % len(eligible)
         turn = [eligible[(start + j) % len(eligible)] for j in range(len(eligible))]
-        fresh = set(self._fresh_rows(caps, sampled))
-        first = [i for i in turn if i in fresh] + [i for i in turn if i not in fresh]
+        new = set(fresh)
+        first = [i for i in turn if i in new] + [i for i in turn if i not in new]
         return tuple(sorted(first[:take]))
 
     def _probe_cost(self, r: int) -> float:
@@ -331,7 +331,7 @@ class BudgetPolicy:
         extra = min(r, self.trust.probe_requests) * self.trust.probe_tokens
         return float(self.costs.draft_time(r) + self.costs.verify_time(r + extra) - self.costs.verify_time(r))
 
-    def _probe(self, caps: Sequence[int], sampled: np.ndarray, cost: float) -> Plan:
+    def _probe(self, caps: Sequence[int], sampled: np.ndarray, cost: float, fresh: Sequence[int]) -> Plan:
         t = self.trust
         k = min(t.probe_tokens, max(caps))
         if k <= 0 or t.probe_requests <= 0:
@@ -345,7 +345,7 @@ class BudgetPolicy:
             self.wait = self.period
             return SKIP
         self.credit -= cost
-        rows = self._probe_rows(caps, sampled)
+        rows = self._probe_rows(caps, fresh)
         self._cursor += len(rows)
         self.counters["probes"] += 1
         return Plan("probe", rows, k)
