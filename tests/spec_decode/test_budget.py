@@ -351,6 +351,19 @@ def test_a_mode_nothing_has_measured_is_probed_when_it_joins():
     assert lv[1] < pol.trust.prior_acceptance and lv[1] > lv[0], lv  # its own two rejections, not greedy's
 
 
+def test_a_batch_that_starts_with_one_request_keeps_its_probes_when_the_rest_arrive():
+    # vLLM's engine core may step on a batch's first request before the others arrive. The probe burst
+    # holds at the batch's size that follows: here a probe of four requests costs 5x one of one request.
+    costs = C.CostModel(verify=[(1, 0.0057), (64, 0.0062)], draft=[(1, 0.001), (4, 0.006), (8, 0.006)])
+    pol = B.BudgetPolicy(7, costs=costs)
+    plan = pol.plan([7], np.zeros(1, dtype=bool))
+    assert plan.mode == "probe" and plan.rows == (0,)
+    pol.feedback("probe", [([0.5] * 7, 2, 0, False)])  # rejected at its first draft
+    caps, greedy = [7] * 4, np.zeros(4, dtype=bool)
+    plan = pol.plan(caps, greedy)  # the batch grew 4x: look again now, with the credit left
+    assert plan.mode == "probe" and len(plan.rows) == 4, (plan, pol.report())
+
+
 def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     from vllm_dspark.spec_decode.common import profile as P
 

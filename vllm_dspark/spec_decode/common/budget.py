@@ -135,7 +135,8 @@ class TrustConfig:
     says drafting stopped paying), up to ``probe_max_period``, and returns to
     ``probe_period`` once drafting pays. ``reject_run``: that many drafting steps
     in a row in which every verified draft was rejected stop admitting (0: never);
-    then only probes run until one is accepted.
+    then only probes run until one is accepted. ``probe_overhead``: after a first burst
+    of a few probes (at any batch size), probes take at most this share of the time.
     """
 
     prior_strength: float = 4.0
@@ -217,7 +218,7 @@ class BudgetPolicy:
         self.reject_steps = 0
         self.surprise = 0.0  # -log P(the current run of rejections) under the measured acceptance
         self.draft_pays_next = False
-        self.credit: float | None = None  # seconds of probing the measurements do not justify (None: unset)
+        self.credit: float | None = None  # probes the measurements do not justify, still allowed (None: unset)
         self._cursor = 0
         self._fresh_present = False  # the last plan's batch had a request of an unmeasured mode
         self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
@@ -278,12 +279,15 @@ class BudgetPolicy:
         r = len(caps)
         if r == 0 or max(caps, default=0) <= 0 or self.costs is None:
             return SKIP
-        # Probe credit, in seconds: PROBE_BURST probes at any load, then probe_overhead of the time.
-        cost = self._probe_cost(r)
+        # Probe credit, counted in probes: PROBE_BURST at any load, refilled at probe_overhead of the
+        # step time priced at this batch's probe cost. Counted in seconds, the burst was priced at the
+        # first step's batch size. vLLM's engine core steps as soon as the first request arrives, so a
+        # batch of four could start with one request alone, and the three probes of one request left in
+        # credit could buy less than one probe of four: no second look for tens of steps.
+        refill = self.trust.probe_overhead * float(self.costs.verify_time(r)) / max(self._probe_cost(r), 1e-12)
         if self.credit is None:
-            self.credit = PROBE_BURST * cost
-        self.credit = min(self.credit + self.trust.probe_overhead * float(self.costs.verify_time(r)),
-                          max(self.credit, PROBE_BURST * cost))
+            self.credit = PROBE_BURST
+        self.credit = min(self.credit + refill, max(self.credit, PROBE_BURST))
         if self.state == "drafting":
             if self.draft_pays_next:
                 return DRAFT
@@ -305,7 +309,7 @@ class BudgetPolicy:
             if self._pays(self.level_survival(sampled), caps):
                 self.state = "drafting"
                 return DRAFT
-        return self._probe(caps, sampled, cost, fresh)
+        return self._probe(caps, sampled, fresh)
 
     def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
         """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
@@ -331,20 +335,20 @@ class BudgetPolicy:
         extra = min(r, self.trust.probe_requests) * self.trust.probe_tokens
         return float(self.costs.draft_time(r) + self.costs.verify_time(r + extra) - self.costs.verify_time(r))
 
-    def _probe(self, caps: Sequence[int], sampled: np.ndarray, cost: float, fresh: Sequence[int]) -> Plan:
+    def _probe(self, caps: Sequence[int], sampled: np.ndarray, fresh: Sequence[int]) -> Plan:
         t = self.trust
         k = min(t.probe_tokens, max(caps))
         if k <= 0 or t.probe_requests <= 0:
             return SKIP
         # Probe while the acceptance could still be high enough to pay (its upper bound pays) and
         # the credit allows; otherwise look again later (sooner if the batch size changes).
-        if self.credit is None or self.credit < cost:
+        if self.credit is None or self.credit < 1.0:
             return SKIP
         if not self._pays(self.level_survival(sampled, optimistic=True), caps):
             self._grow()
             self.wait = self.period
             return SKIP
-        self.credit -= cost
+        self.credit -= 1.0
         rows = self._probe_rows(caps, fresh)
         self._cursor += len(rows)
         self.counters["probes"] += 1
@@ -366,4 +370,4 @@ class BudgetPolicy:
 
     def report(self) -> dict:
         return {"state": self.state, "period": self.period, "wait": self.wait, "reject_steps": self.reject_steps,
-                "credit_s": self.credit, **self.counters, "trust": dict(self.trust.__dict__)}
+                "credit_probes": self.credit, **self.counters, "trust": dict(self.trust.__dict__)}
