@@ -218,7 +218,7 @@ class BudgetPolicy:
         self.reject_steps = 0
         self.surprise = 0.0  # -log P(the current run of rejections) under the measured acceptance
         self.draft_pays_next = False
-        self.credit: float | None = None  # probes the measurements do not justify, still allowed (None: unset)
+        self.credit = PROBE_BURST  # probes the measurements do not justify, still allowed
         self._cursor = 0
         self._fresh_present = False  # the last plan's batch had a request of an unmeasured mode
         self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
@@ -279,15 +279,11 @@ class BudgetPolicy:
         r = len(caps)
         if r == 0 or max(caps, default=0) <= 0 or self.costs is None:
             return SKIP
-        # Probe credit, counted in probes: PROBE_BURST at any load, refilled at probe_overhead of the
-        # step time priced at this batch's probe cost. Counted in seconds, the burst was priced at the
-        # first step's batch size. vLLM's engine core steps as soon as the first request arrives, so a
-        # batch of four could start with one request alone, and the three probes of one request left in
-        # credit could buy less than one probe of four: no second look for tens of steps.
+        # Probe credit, counted in probes (PROBE_BURST at most), refilled at probe_overhead of the step
+        # time priced at this batch's probe cost. Not in seconds: vLLM may step on a batch's first
+        # request alone, and a burst priced at that step's size could not buy one probe of the batch.
         refill = self.trust.probe_overhead * float(self.costs.verify_time(r)) / max(self._probe_cost(r), 1e-12)
-        if self.credit is None:
-            self.credit = PROBE_BURST
-        self.credit = min(self.credit + refill, max(self.credit, PROBE_BURST))
+        self.credit = min(self.credit + refill, PROBE_BURST)
         if self.state == "drafting":
             if self.draft_pays_next:
                 return DRAFT
@@ -342,7 +338,7 @@ class BudgetPolicy:
             return SKIP
         # Probe while the acceptance could still be high enough to pay (its upper bound pays) and
         # the credit allows; otherwise look again later (sooner if the batch size changes).
-        if self.credit is None or self.credit < 1.0:
+        if self.credit < 1.0:
             return SKIP
         if not self._pays(self.level_survival(sampled, optimistic=True), caps):
             self._grow()
