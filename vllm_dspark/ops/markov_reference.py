@@ -41,6 +41,8 @@ Semantics (per request ``r``, left to right over the block's positions)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 __all__ = [
@@ -51,6 +53,8 @@ __all__ = [
     "markov_row_norms",
     "markov_max_norms",
     "markov_draft_reference",
+    "markov_recurrence",
+    "embed_prev",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -183,6 +187,52 @@ class _Bias:
         return out
 
 
+def embed_prev(markov_w1: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+    """The vanilla head's embedding of the previous token: fp32 ``markov_w1[prev]`` [R, rank], zero for
+    ids outside ``[0, vocab)`` (the anchor policy: no bias, no Markov part of the confidence)."""
+    v = markov_w1.shape[0]
+    valid = (prev >= 0) & (prev < v)
+    e = markov_w1[prev.clamp(0, v - 1)].to(torch.float32)
+    return torch.where(valid[:, None], e, torch.zeros_like(e))
+
+
+def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
+                      embed: Callable[[torch.Tensor], torch.Tensor], bias: Callable[[torch.Tensor], torch.Tensor],
+                      pick: Callable[[int, torch.Tensor], torch.Tensor], out_tokens: torch.Tensor,
+                      out_conf: torch.Tensor, conf_base: torch.Tensor | None = None,
+                      conf_w_markov: torch.Tensor | None = None) -> None:
+    """DSpark's sequential stage, left to right: the one place its recurrence is written in Python.
+
+    For each position ``i``: ``e = embed(prev)``, ``logits = fp32(base[:, i]) + bias(e)``,
+    ``token = pick(i, logits)``, the confidence from ``conf_base[:, i]`` and ``e``, then
+    ``prev = token``. The reference (greedy argmax or a Gumbel draw) and the sampled path
+    (``spec_decode/common/draft_sampling.py``: top-k/top-p, the exact q) differ only in
+    ``pick``; a head variant differs only in ``embed`` and ``bias``.
+
+    Parameters
+    ----------
+    base_logits : [R, B, V] base logits per position
+    anchor_ids : [R] int64, ``prev`` of position 0
+    embed : [R] int64 previous tokens -> [R, rank] fp32
+    bias : [R, rank] -> [R, V] fp32 Markov bias
+    pick : (position, [R, V] fp32 corrected logits) -> [R] int64 tokens
+    out_tokens : [R, B] int64, written; out_conf : [R, B] fp32, written where ``conf_base`` is given
+    conf_base : [R, B] fp32 or None; conf_w_markov : [rank] fp32 or None
+    """
+    prev = anchor_ids.to(torch.int64)
+    for i in range(base_logits.shape[1]):
+        e = embed(prev)  # [R, rank] fp32
+        logits = base_logits[:, i].to(torch.float32) + bias(e)  # [R, V]
+        tok = pick(i, logits)
+        out_tokens[:, i] = tok
+        if conf_base is not None:
+            z = conf_base[:, i].to(torch.float64)
+            if conf_w_markov is not None:
+                z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
+            out_conf[:, i] = torch.sigmoid(z).to(torch.float32)
+        prev = tok
+
+
 def markov_draft_reference(
     base_logits: torch.Tensor,
     anchor_ids: torch.Tensor,
@@ -230,27 +280,18 @@ def markov_draft_reference(
                   if return_logits else None)
 
     bias_of = _Bias(markov_w2)
-    prev = anchor_ids.to(torch.int64)
-    for i in range(B):
-        valid = (prev >= 0) & (prev < V)  # only the anchor can be out of range
-        e = markov_w1[prev.clamp(0, V - 1)].to(torch.float32)      # [R, rank]
-        e = torch.where(valid[:, None], e, torch.zeros_like(e))
-        logits = base_logits[:, i].to(torch.float32) + bias_of(e)  # [R, V]
+
+    def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
         if all_logits is not None:
             all_logits[:, i] = logits
         scores = logits
         if bool(sampled.any()):
             noisy = logits / safe_t[:, None] + gumbel_noise(seeds, i, V)
             scores = torch.where(sampled[:, None], noisy, logits)
-        tok = _argmax_nan_last(scores)  # first maximal index on ties
-        tokens[:, i] = tok
+        return _argmax_nan_last(scores)  # first maximal index on ties
 
-        if conf_base is not None:
-            z = conf_base[:, i].to(torch.float64)
-            if conf_w_markov is not None:
-                z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
-            conf[:, i] = torch.sigmoid(z).to(torch.float32)
-        prev = tok
+    markov_recurrence(base_logits, anchor_ids, lambda prev: embed_prev(markov_w1, prev), bias_of, pick,
+                      tokens, conf, conf_base, conf_w_markov)
 
     if return_logits:
         return tokens, conf, all_logits

@@ -47,11 +47,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 
 from vllm_dspark.spec_decode.common.calibration import Calibrator
 from vllm_dspark.spec_decode.common.costs import CostModel
+from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
 
 
 # ------------------------------------------------------------------ allocation
@@ -149,27 +151,63 @@ class TrustConfig:
     probe_overhead: float = 0.02
 
 
+class PlanMode(StrEnum):
+    """What a step runs (a ``str``: plans cross the TP broadcast and the trace as plain strings)."""
+
+    SKIP = "skip"  # no source runs its forward; the drafter's context K/V is kept (held or stored)
+    PROBE = "probe"  # the sources run for ``rows`` only, ``tokens`` drafts each, verified whatever they cost
+    DRAFT = "draft"  # the sources run for every request; the allocation decides what is verified
+
+
 @dataclass(frozen=True)
 class Plan:
-    """What the next step runs: ``draft`` (block forward for every request, the allocation decides),
-    ``probe`` (``tokens`` drafts for each of ``rows`` only) or ``skip`` (context K/V only)."""
+    """What the next step runs. ``sources`` say which draft sources run (the drafter's forward
+    among them); ``mode`` says which of their drafts are sent: none (``skip``), ``tokens`` for each
+    of ``rows`` (``probe``), or what the allocation admits (``draft``)."""
 
-    mode: str
+    mode: PlanMode
     rows: tuple[int, ...] = ()
     tokens: int = 0
+    sources: tuple[str, ...] | None = None  # None: the drafter for probe and draft, nothing for skip
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", PlanMode(self.mode))
+        if self.sources is None:
+            object.__setattr__(self, "sources", () if self.mode is PlanMode.SKIP else (MODEL_SOURCE,))
+
+    @property
+    def runs(self) -> bool:
+        """Whether any source runs its forward this step."""
+        return bool(self.sources)
 
     def to_wire(self) -> tuple:
-        return (self.mode, self.rows, self.tokens)
+        return (str(self.mode), self.rows, self.tokens, self.sources)
 
     @classmethod
     def from_wire(cls, w: Sequence) -> Plan:
-        return cls(str(w[0]), tuple(int(x) for x in w[1]), int(w[2]))
+        return cls(PlanMode(w[0]), tuple(int(x) for x in w[1]), int(w[2]), tuple(str(x) for x in w[3]))
 
 
-SKIP = Plan("skip")
+@dataclass(frozen=True)
+class Feedback:
+    """One request's drafts as the verify step judged them."""
+
+    confidence: Sequence[float]  # the confidences the drafts were sent with
+    verified: int  # drafts the target verified
+    accepted: int  # of which accepted (a prefix)
+    sampled: bool  # drafted by sampling (judged by the ratio test)
+    source: str = MODEL_SOURCE
+
+    @classmethod
+    def of(cls, x: Feedback | Sequence) -> Feedback:
+        """A record, or the ``(confidence, verified, accepted, sampled)`` tuple older callers pass."""
+        return x if isinstance(x, Feedback) else cls(*x)
+
+
+SKIP = Plan(PlanMode.SKIP)
 STOP_SURPRISE = float(np.log(100.0))
 PROBE_BURST = 4.0
-DRAFT = Plan("draft")
+DRAFT = Plan(PlanMode.DRAFT)
 
 
 class BudgetPolicy:
@@ -207,8 +245,9 @@ class BudgetPolicy:
         self.trust = trust or TrustConfig()
         t = self.trust
         self.num_positions = num_positions
-        self.calibrator = Calibrator(num_positions, prior_strength=t.prior_strength,
-                                     prior_acceptance=t.prior_acceptance)
+        # Each source proves itself on its own evidence; the drafter's is the one the plan reads.
+        self.calibrators: dict[str, Calibrator] = {}
+        self.calibrator = self.calibrator_of(MODEL_SOURCE)
         self.costs = costs
         self.margin = margin
         self.state = "waiting"
@@ -223,19 +262,28 @@ class BudgetPolicy:
         self._fresh_present = False  # the last plan's batch had a request of an unmeasured mode
         self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
 
+    def calibrator_of(self, source: str) -> Calibrator:
+        cal = self.calibrators.get(source)
+        if cal is None:
+            t = self.trust
+            cal = self.calibrators[source] = Calibrator(self.num_positions, prior_strength=t.prior_strength,
+                                                        prior_acceptance=t.prior_acceptance)
+        return cal
+
     # -------------------------------------------------------------- feedback
-    def feedback(self, kind: str, results: Sequence[tuple[Sequence[float], int, int, bool]]) -> None:
-        """The verify step just run: ``kind`` of the step that proposed, and per request
-        ``(confidences, verified, accepted, sampled)``."""
-        seen = [(c, v, a, s) for c, v, a, s in results if v > 0]
+    def feedback(self, kind: str, results: Sequence[Feedback | tuple]) -> None:
+        """The verify step just run: ``kind`` (the :class:`PlanMode`) of the step that proposed, and
+        one :class:`Feedback` per request that sent drafts (or its 4-tuple)."""
+        seen = [f for f in map(Feedback.of, results) if f.verified > 0]
         if not seen:
             return
-        first = self.calibrator.levels()[:, 0]  # what was expected of these drafts' first positions
-        for conf, verified, accepted, sampled in seen:
-            self.calibrator.observe(conf, verified, accepted, sampled)
-        accepted_any = any(a > 0 for _, _, a, _ in seen)
+        # What was expected of these drafts' first positions, by source (before they are observed).
+        first = {src: self.calibrator_of(src).levels()[:, 0] for src in {f.source for f in seen}}
+        for f in seen:
+            self.calibrator_of(f.source).observe(f.confidence, f.verified, f.accepted, f.sampled)
+        accepted_any = any(f.accepted > 0 for f in seen)
         t = self.trust
-        if kind == "probe":
+        if kind == PlanMode.PROBE:
             if accepted_any:  # the probe came back accepted: look again sooner
                 self.counters["probes_accepted"] += 1
                 self.period = max(max(1, t.probe_period), self.period // 2)
@@ -246,12 +294,12 @@ class BudgetPolicy:
             else:  # the probe came back rejected (its feedback arrives the step after it): wait longer
                 self.period = min(max(1, t.probe_max_period), self.period * 2)
                 self.wait = self.period
-        elif kind == "draft":
+        elif kind == PlanMode.DRAFT:
             if accepted_any:
                 self.reject_steps, self.surprise = 0, 0.0
             else:
                 self.reject_steps += 1
-                self.surprise += float(sum(-np.log(max(1e-9, 1.0 - first[int(s)])) for _, _, _, s in seen))
+                self.surprise += float(sum(-np.log(max(1e-9, 1.0 - first[f.source][int(f.sampled)])) for f in seen))
             # Stop after reject_run such steps, or sooner once the run was unlikely (< 1 %) under the
             # measured acceptance: one step at batch 32, two at batch 1 after 90 % acceptance.
             run_over = self.reject_steps >= t.reject_run or self.surprise >= STOP_SURPRISE
@@ -348,17 +396,33 @@ class BudgetPolicy:
         rows = self._probe_rows(caps, fresh)
         self._cursor += len(rows)
         self.counters["probes"] += 1
-        return Plan("probe", rows, k)
+        return Plan(PlanMode.PROBE, rows, k)
 
     def choose(self, conf: np.ndarray, caps: Sequence[int], sampled: np.ndarray) -> Allocation:
-        """A drafting step's allocation (and whether the next step should draft)."""
+        """A drafting step's allocation of the drafter's drafts (and whether the next step should draft)."""
+        return self.choose_among({MODEL_SOURCE: conf}, caps, sampled)[0]
+
+    def choose_among(self, confs: dict[str, np.ndarray], caps: Sequence[int],
+                     sampled: np.ndarray) -> tuple[Allocation, list[str]]:
+        """Rank the slots of every source's drafts against one verify cost.
+
+        ``confs``: source -> [R, N] confidences of its drafts for every request. Each request takes
+        the source whose calibrated survival promises the most accepted tokens within its cap (ties:
+        the first source given); the chosen slots are then admitted by :func:`allocate`. Returns the
+        allocation and the source each request takes.
+        """
         assert self.costs is not None
-        surv = survival(self.calibrator.calibrate(conf, sampled))
+        names = list(confs)
+        survs = [survival(self.calibrator_of(s).calibrate(confs[s], sampled)) for s in names]
+        cap = np.asarray(caps, dtype=np.int64)[:, None]
+        expected = np.stack([np.where(np.arange(x.shape[1])[None] < cap, x, 0.0).sum(1) for x in survs])
+        pick = np.argmax(expected, axis=0) if len(names) > 1 else np.zeros(len(caps), dtype=np.int64)
+        surv = np.stack(survs)[pick, np.arange(len(caps))] if len(caps) else survs[0]
         alloc = allocate(surv, caps, self.costs, margin=self.margin)
         self.draft_pays_next = alloc.draft_pays
         if alloc.draft_pays:
             self.period = max(1, self.trust.probe_period)
-        return alloc
+        return alloc, [names[int(i)] for i in pick]
 
     def probe_kept(self, plan: Plan, caps: Sequence[int]) -> list[int]:
         rows = set(plan.rows)

@@ -10,10 +10,12 @@ from __future__ import annotations
 import bisect
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
 
 
 @dataclass
@@ -45,6 +47,7 @@ class CostModel:
     far_draft: int = 0
     rebased: int = 0  # how many times rebase() folded the corrections in
     cache_path: str | None = None  # where this model is cached (None: nowhere)
+    source_draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # other sources' costs
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
@@ -55,8 +58,15 @@ class CostModel:
     def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
         return self.scale_verify * _interp(self.verify, tokens)
 
-    def draft_time(self, requests: int) -> float:
-        return float(self.scale_draft * _interp(self.draft, requests))
+    def draft_time(self, requests: int, source: str = MODEL_SOURCE) -> float:
+        """Seconds ``source`` takes to draft for ``requests`` requests (the drafter's profiled curve;
+        another source's from ``source_draft``, uncorrected: only the drafter's step is observed)."""
+        if source == MODEL_SOURCE:
+            return float(self.scale_draft * _interp(self.draft, requests))
+        points = self.source_draft.get(source)
+        if points is None:
+            raise KeyError(f"the cost model has no draft cost for source {source!r}")
+        return float(_interp(points, requests))
 
     def _far(self, scale: float) -> bool:
         return not (1.0 / self.drift <= scale <= self.drift)

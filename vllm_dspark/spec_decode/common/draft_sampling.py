@@ -8,7 +8,8 @@ the drafter's own distribution ``q`` and verifying with the ratio test
 
 For that to stay lossless, the ``q`` handed to the rejection sampler must be
 exactly the distribution each draft token was drawn from. Here, position by
-position (the Markov bias depends on the previous draft):
+position (the Markov bias depends on the previous draft; the loop is
+``markov_recurrence``, the reference's own, with this ``pick``):
 
     logits_i = base_i + markov_w2 @ markov_w1[prev]      (fp64 bias, as the op)
     z_i      = top_k_top_p(logits_i / T)                 (vLLM's own filter, the one the
@@ -26,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.ops.markov_reference import gumbel_noise
+from vllm_dspark.ops.markov_reference import embed_prev, gumbel_noise, markov_recurrence
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -40,7 +41,7 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
 @torch.no_grad()
 def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, temperature: torch.Tensor,
                   seeds: torch.Tensor, conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
-                  top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  top_p: torch.Tensor | None = None, head=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft one block per request by sampling.
 
     Parameters
@@ -52,6 +53,8 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
     seeds : [R] int64 Gumbel seeds (one per request and decoding step)
     conf_base : [R, N] fp32 parallel part of the confidence, or None
     top_k : [R] int or None; top_p : [R] fp32 or None (vLLM's per-request tensors)
+    head : the Markov head variant (``embed``, ``bias_fn``; ``drafts.MarkovStage`` passes its own);
+        None: the vanilla head of ``mw``
 
     Returns
     -------
@@ -62,20 +65,17 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
     tokens = torch.empty(r, n, dtype=torch.int64, device=dev)
     conf = torch.ones(r, n, dtype=torch.float32, device=dev)
     q = torch.empty(r, n, v, dtype=torch.float32, device=dev)
-    w2 = mw.markov_w2.to(torch.float64)
     t = temperature.to(torch.float32)[:, None]
-    prev = anchors.to(torch.int64)
-    for i in range(n):
-        e = mw.markov_w1[prev].to(torch.float32)  # [R, rank]
-        logits = base[:, i].float() + (e.double() @ w2.T).float()
+
+    def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
         z = _top_k_top_p(logits / t, top_k, top_p)
         q[:, i] = torch.softmax(z, dim=-1)
-        tok = torch.argmax(z + gumbel_noise(seeds, i, v), dim=-1)
-        tokens[:, i] = tok
-        if conf_base is not None:
-            zc = conf_base[:, i].double()
-            if mw.conf_w_markov is not None:
-                zc = zc + e.double() @ mw.conf_w_markov.double()
-            conf[:, i] = torch.sigmoid(zc).float()
-        prev = tok
+        return torch.argmax(z + gumbel_noise(seeds, i, v), dim=-1)
+
+    if head is None:
+        w2 = mw.markov_w2.to(torch.float64)
+        embed, bias = (lambda prev: embed_prev(mw.markov_w1, prev)), (lambda e: (e.double() @ w2.T).float())
+    else:
+        embed, bias = head.embed, head.bias_fn()
+    markov_recurrence(base, anchors, embed, bias, pick, tokens, conf, conf_base, mw.conf_w_markov)
     return tokens, conf, q

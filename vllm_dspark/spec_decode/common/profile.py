@@ -107,17 +107,13 @@ def _verify_fn(proposer, n: int):
 
 
 def _draft_fn(proposer, r: int):
-    from vllm_dspark.ops import markov_draft
-
-    mw = proposer.model.markov
+    stage = proposer.markov_stage
     nq = r * proposer.block
 
     def run():
         proposer.dummy_run(nq, use_cudagraphs=False)
-        h = proposer.hidden_states[:nq]
-        base = proposer.model.compute_logits(h)[:, : mw.vocab].reshape(r, proposer.n_draft, mw.vocab)
-        markov_draft(base, torch.zeros(r, dtype=torch.int64, device=base.device), mw.markov_w1,
-                     mw.markov_w2, mw.w2_row_norms)
+        base, _ = stage.inputs(proposer.hidden_states[:nq], r, proposer.n_draft, with_confidence=False)
+        stage.greedy(base, torch.zeros(r, dtype=torch.int64, device=base.device), None)
     return run
 
 

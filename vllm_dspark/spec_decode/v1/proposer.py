@@ -38,7 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,10 +48,11 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
-from vllm_dspark.spec_decode.common import budget as B
-from vllm_dspark.spec_decode.common import costs as C
+from vllm_dspark.spec_decode.common import budget
+from vllm_dspark.spec_decode.common.budget import Feedback, Plan, PlanMode
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
-from vllm_dspark.spec_decode.common.markov_inputs import markov_stage_inputs
+from vllm_dspark.spec_decode.common.costs import CostModel
+from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
@@ -59,16 +60,48 @@ from vllm_dspark.spec_decode.v1.overrides import check_couplings
 logger = logging.getLogger("vllm_dspark")
 
 
-class _Decision(NamedTuple):
+@dataclass(frozen=True)
+class Decision:
     """What the start of a step decided (``DSparkProposer._decide``)."""
 
     t1: float  # the plan was made (the step's feedback and plan are timed up to here)
     batch: int
     req_ids: list[str]
-    cap: int
-    caps: list[int]
-    sampled: np.ndarray
-    plan: B.Plan
+    cap: int  # the scheduler's draft cap for this step
+    caps: list[int]  # per request: the cap, or 0 past max_draft_context
+    sampled: np.ndarray  # [batch] bool
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class SentDrafts:
+    """A request's drafts sent to the target, awaiting the verify step's verdict."""
+
+    confidence: list[float]
+    kept: int
+    sampled: bool
+    source: str
+
+
+@dataclass
+class StepState:
+    """What the proposer carries between its entry points: the runner's ``mark_step_start``,
+    ``propose_before_glue`` (a step decided before the draft glue) and ``propose``."""
+
+    step: int = 0  # steps decided so far (the trace's step number)
+    sent: dict[str, SentDrafts] = field(default_factory=dict)  # req id -> drafts the next step judges
+    sent_kind: PlanMode = PlanMode.SKIP  # the plan of the step that sent them
+    last_end: float | None = None  # when the previous propose returned
+    step_start: float | None = None  # when the runner's execute_model began (None: no runner patch)
+    decided: Decision | None = None  # made by propose_before_glue, used by the step's propose
+    hold_ok: bool = True  # steps without drafts may hold their context (context_kv)
+    hold_checked: bool = False  # the first hold checked the runner's slot layout
+    step_marks: int = 0
+    before_glue_steps: int = 0
+
+    def take_decision(self) -> Decision | None:
+        d, self.decided = self.decided, None
+        return d
 
 
 class DSparkProposer(DFlashProposer):
@@ -87,11 +120,11 @@ class DSparkProposer(DFlashProposer):
         self.n_draft = s.num_draft_tokens
         self.anchor_first = s.query_layout == "anchor_first"
         self.stats = VerifyStats()
-        self.policy = B.BudgetPolicy(self.n_draft, B.TrustConfig(**s.trust()))
+        self.policy = budget.BudgetPolicy(self.n_draft, budget.TrustConfig(**s.trust()))
         self.calibrator = self.policy.calibrator
-        self.costs: C.CostModel | None = None
+        self.costs: CostModel | None = None
         if s.costs is not None:
-            self.costs = C.CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
+            self.costs = CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
             self.policy.costs = self.costs
         # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
         self.consensus = Consensus()
@@ -99,21 +132,13 @@ class DSparkProposer(DFlashProposer):
         self.profile_info: dict | None = None
         seed = getattr(getattr(vllm_config, "model_config", None), "seed", None)
         self._seed_base = int(seed) if seed is not None else 0
-        self._prev: dict[str, tuple[list[float], int, bool]] = {}  # req -> (conf, kept, sampled)
-        self._prev_kind = "skip"  # the plan of the step whose drafts _prev holds
-        self._last_end: float | None = None
-        self._step_start: float | None = None  # set by the runner patch when execute_model begins
-        self.step_marks = 0
         self._last_log = time.monotonic()
-        self._step = 0
-        self._last_draft_probs = None
-        self.last_markov_path: str | None = None
+        self._last_draft_probs = None  # upstream's name: the runner takes sampled drafts' q from it
         self.pending = PendingContext()
-        self._decided: _Decision | None = None  # made by propose_before_glue, used by propose
-        self.before_glue_steps = 0
         # A sliding-window KV manager frees blocks behind the window: held slots must stay inside it.
-        self._hold_ok = not s.window or s.window > self.pending.max_steps + 2 * self.block_size
-        self._hold_checked = False
+        self.state = StepState(hold_ok=not s.window or s.window > self.pending.max_steps + 2 * self.block_size)
+        self._stage: MarkovStage | None = None
+        self._stage_src = None  # the weights the stage was built from (rebuilt if the model's change)
         # Seconds per phase, summed over steps (report(): where a step's time goes).
         self.timings: dict[str, float] = dict.fromkeys(
             ("outside_propose", "feedback", "held", "context_flush", "layout", "context_kv_only", "block_forward",
@@ -183,36 +208,42 @@ class DSparkProposer(DFlashProposer):
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
                 next_token_ids, token_indices_to_sample, common_attn_metadata, sampling_metadata,
                 mm_embed_inputs=None, num_rejected_tokens_gpu=None, slot_mappings=None):
+        """Decide, run the sources the plan names, allocate, record."""
         cad = common_attn_metadata
-        d, self._decided = self._decided, None
-        if d is None:
-            d = self._decide(num_speculative_tokens, cad, num_rejected_tokens_gpu, sampling_metadata)
-        tm = self.timings
-        t1, batch, req_ids, cap, caps, sampled, plan = d
+        d = self.state.take_decision() or self._decide(num_speculative_tokens, cad, num_rejected_tokens_gpu,
+                                                       sampling_metadata)
         decode_only = int(cad.max_query_len) == 1
-        t1 = self._flush_if_due(plan, decode_only, req_ids, t1)
-        if plan.mode == "skip" and decode_only and self._hold_ok:
-            self._hold(req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
+        t = self._flush_if_due(d.plan, decode_only, d.req_ids, d.t1)
+        if d.plan.mode is PlanMode.SKIP and decode_only and self.state.hold_ok:
+            self._hold(d.req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
                        token_indices_to_sample, num_rejected_tokens_gpu)
-            tm["held"] += time.perf_counter() - t1
-            return self._no_drafts(cap, batch)
+            self._lap("held", t)
+            return self._no_drafts(d)
 
         hidden = self.model.combine_hidden_states(target_hidden_states)
         num_query, sample_rows, block_cad = self.set_inputs_first_pass(
             target_token_ids, next_token_ids, target_positions, hidden, token_indices_to_sample, cad,
             num_rejected_tokens_gpu)
-        t2 = time.perf_counter()
-        tm["layout"] += t2 - t1
-        if plan.mode == "skip":
+        t_layout = t = self._lap("layout", t)
+        if not d.plan.runs:
             # The drafter's K/V of this step's tokens must still be written, or later drafts would
             # read a context with holes in it; the block forward and the Markov stage are skipped.
             n = self._dflash_num_context
             self.model.precompute_and_store_context_kv(
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
-            tm["context_kv_only"] += time.perf_counter() - t2
-            return self._no_drafts(cap, batch)
+            self._lap("context_kv_only", t)
+            return self._no_drafts(d)
 
+        rows = self._block_forward(num_query, sample_rows, block_cad, mm_embed_inputs)
+        t = self._lap("block_forward", t)
+        drafts = self._run_sources(d, rows, next_token_ids, sampling_metadata, cad)
+        t = self._lap("markov_stage", t)
+        kept = self._allocate(d, drafts)
+        return self._record(d, drafts, kept, next_token_ids, t, t_layout)
+
+    def _block_forward(self, num_query: int, sample_rows: torch.Tensor, block_cad, mm_embed_inputs):
+        """The drafter's non-causal pass over every request's block: the sampled rows [R * N, H]."""
         per_group, per_layer = self.build_per_group_and_layer_attn_metadata(block_cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_query)
         kwargs, slot_size = self.build_model_inputs_first_pass(num_query, num_input, mm_embed_inputs)
@@ -221,63 +252,71 @@ class DSparkProposer(DFlashProposer):
                                  slot_mapping=self._get_slot_mapping(slot_size, block_cad.slot_mapping)):
             out = self.model(**kwargs)
         last_hidden = out[0] if isinstance(out, tuple) else out
-        rows = last_hidden[sample_rows]  # [R * N, H]
-        t3 = time.perf_counter()
-        tm["block_forward"] += t3 - t2
+        return last_hidden[sample_rows]
 
-        n = self.n_draft
-        if plan.mode == "probe":
-            # A probe drafts only its requests' first few positions: the LM head and the sequential
-            # stage run on those rows alone.
-            idx = list(plan.rows)
-            k = plan.tokens
-            sub = rows.view(batch, n, -1)[idx, :k].reshape(len(idx) * k, -1)
-            t_p, c_p, q_p = self._sequential_stage(sub, next_token_ids[:batch], sampling_metadata, idx, k,
-                                                   sampled, cad)
-            tokens = torch.zeros(batch, n, dtype=torch.int64, device=t_p.device)
-            conf = torch.zeros(batch, n, dtype=torch.float32, device=t_p.device)
-            tokens[idx, :k], conf[idx, :k] = t_p, c_p
-            probs = None
-            if q_p is not None:
-                probs = torch.zeros(batch, n, q_p.shape[-1], dtype=torch.float32, device=q_p.device)
-                probs[idx, :k] = q_p
-            t4 = time.perf_counter()
-            tm["markov_stage"] += t4 - t3
-            kept = self.policy.probe_kept(plan, caps)
+    def _run_sources(self, d: Decision, rows: torch.Tensor, next_token_ids, sampling_metadata, cad) -> Drafts:
+        """The Markov stage's drafts as [batch, N]. A probe drafts only its requests' first few
+        positions: the LM head and the sequential stage run on those rows alone."""
+        n, plan = self.n_draft, d.plan
+        if plan.mode is PlanMode.PROBE:
+            idx, k = list(plan.rows), plan.tokens
+            hidden = rows.view(d.batch, n, -1)[idx, :k].reshape(len(idx) * k, -1)
         else:
-            tokens, conf, probs = self._sequential_stage(rows, next_token_ids[:batch], sampling_metadata,
-                                                         list(range(batch)), n, sampled, cad)
-            t4 = time.perf_counter()
-            tm["markov_stage"] += t4 - t3
-            kept = self._verify(conf, caps, sampled)
-        self.stats.add_step(drafted=True, cap=cap, kept=kept, probe=plan.mode == "probe")
-        conf_l = conf.tolist()
-        tok_l = tokens.tolist()
-        self._prev = {rid: (conf_l[i], kept[i], bool(sampled[i])) for i, rid in enumerate(req_ids) if kept[i] > 0}
-        self._prev_kind = plan.mode
-        if probs is not None:
-            self._last_draft_probs = probs
-        if self.settings.trace_path:
-            self._trace(req_ids, next_token_ids[:batch].tolist(), tok_l, conf_l, kept, sampled)
-        end = time.perf_counter()
-        tm["verify"] += end - t4
-        if self.costs is not None and plan.mode == "draft":
-            # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
-            self.costs.observe_draft(batch, (end - t2) * self._draft_time_scale())
-            self._check_stale()
-        self._last_end = end
-        self._maybe_log()
-        return [row[:k] for row, k in zip(tok_l, kept)]
+            idx, k, hidden = list(range(d.batch)), n, rows
+        temps = getattr(sampling_metadata, "temperature", None)
+        batch = DraftBatch(rows=idx, anchors=next_token_ids[:d.batch], num_tokens=k, sampled=d.sampled,
+                           hidden=hidden, temperature=temps, top_k=getattr(sampling_metadata, "top_k", None),
+                           top_p=getattr(sampling_metadata, "top_p", None),
+                           seeds=lambda r: self._draft_seeds(r, cad))
+        drafts = self.markov_stage.draft(batch)
+        if plan.mode is not PlanMode.PROBE:
+            return drafts
+        return _widen(drafts, d.batch, idx, n)
 
-    def _decide(self, num_speculative_tokens, cad, num_rejected, sampling_metadata) -> _Decision:
+    def _allocate(self, d: Decision, drafts: Drafts) -> list[int]:
+        """Drafts to verify per request: a probe's fixed few, or the verification rule's choice."""
+        if d.plan.mode is PlanMode.PROBE:
+            return self.policy.probe_kept(d.plan, d.caps)
+        return self._verify(drafts.confidence, d.caps, d.sampled)
+
+    def _record(self, d: Decision, drafts: Drafts, kept: list[int], next_token_ids, t: float,
+                t_layout: float) -> list[list[int]]:
+        """Counters, the feedback the next step awaits, the trace and the drafter's observed cost."""
+        self.stats.add_step(drafted=True, cap=d.cap, kept=kept, probe=d.plan.mode is PlanMode.PROBE)
+        conf_l = drafts.confidence.tolist()
+        tok_l = drafts.tokens.tolist()
+        self.state.sent = {rid: SentDrafts(conf_l[i], kept[i], bool(d.sampled[i]), drafts.source)
+                           for i, rid in enumerate(d.req_ids) if kept[i] > 0}
+        self.state.sent_kind = d.plan.mode
+        if drafts.probs is not None:
+            self._last_draft_probs = drafts.probs
+        if self.settings.trace_path:
+            self._trace(d.req_ids, next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled)
+        end = time.perf_counter()
+        self.timings["verify"] += end - t
+        if self.costs is not None and d.plan.mode is PlanMode.DRAFT:
+            # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
+            self.costs.observe_draft(d.batch, (end - t_layout) * self._draft_time_scale())
+            self._check_stale()
+        self.state.last_end = end
+        self._maybe_log()
+        return [row[:k] for row, k in zip(tok_l, kept, strict=True)]
+
+    def _lap(self, phase: str, since: float) -> float:
+        """Add the time since ``since`` to ``phase``'s total; returns now."""
+        now = time.perf_counter()
+        self.timings[phase] += now - since
+        return now
+
+    def _decide(self, num_speculative_tokens, cad, num_rejected, sampling_metadata) -> Decision:
         """The start of every step: the previous drafts' feedback, then this step's plan (made once)."""
         t0 = time.perf_counter()
-        tm = self.timings
-        if self._last_end is not None:
-            tm["outside_propose"] += t0 - self._last_end  # the target's step, sampling, scheduling
+        st = self.state
+        if st.last_end is not None:
+            self.timings["outside_propose"] += t0 - st.last_end  # the target's step, sampling, scheduling
         batch = cad.batch_size()
         req_ids = self._req_ids(batch)
-        self._step += 1
+        st.step += 1
         self._feedback(req_ids, cad, num_rejected, t0)
         cap = max(0, min(self.settings.max_draft_tokens, int(num_speculative_tokens)))
         self._last_draft_probs = None
@@ -286,8 +325,8 @@ class DSparkProposer(DFlashProposer):
         sampled = self._sampled_requests(sampling_metadata, batch).numpy()
         plan = self._plan(caps, sampled)
         t1 = time.perf_counter()
-        tm["feedback"] += t1 - t0
-        return _Decision(t1, batch, req_ids, cap, caps, sampled, plan)
+        self.timings["feedback"] += t1 - t0
+        return Decision(t1, batch, req_ids, cap, caps, sampled, plan)
 
     def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
                             states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
@@ -301,35 +340,35 @@ class DSparkProposer(DFlashProposer):
         ``states`` and ``positions`` give the target's aux hidden states and positions of the
         step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`.
         """
-        if self._prev or not (self._hold_ok and self._hold_checked) or int(cad.max_query_len) != 1:
+        st = self.state
+        if st.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
             return None  # feedback needs the rejected counts, or the first hold checks the layout
         d = self._decide(num_speculative_tokens, cad, None, sampling_metadata)
-        if d.plan.mode != "skip":
-            self._decided = d
+        if d.plan.mode is not PlanMode.SKIP:
+            st.decided = d
             return None
         t1 = self._flush_if_due(d.plan, True, d.req_ids, d.t1)
         self.pending.hold(d.req_ids, states(), positions()[:num_tokens], cad.slot_mapping[:num_tokens])
-        self.before_glue_steps += 1
-        self.timings["held"] += time.perf_counter() - t1
-        return self._no_drafts(d.cap, d.batch)
+        st.before_glue_steps += 1
+        self._lap("held", t1)
+        return self._no_drafts(d)
 
-    def _flush_if_due(self, plan: B.Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
+    def _flush_if_due(self, plan: Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
         """Store the held context when this step cannot join it (:mod:`.context_kv`): it drafts, it is
         not decode-only, or its batch changed or the buffer is full. Returns the time after it."""
-        if not self.pending.steps or (plan.mode == "skip" and decode_only and self.pending.accepts(req_ids)):
+        if not self.pending.steps or (plan.mode is PlanMode.SKIP and decode_only
+                                      and self.pending.accepts(req_ids)):
             return t1
         self.pending.flush(self._store_context, req_ids)
-        t = time.perf_counter()
-        self.timings["context_flush"] += t - t1
-        return t
+        return self._lap("context_flush", t1)
 
-    def _no_drafts(self, cap: int, batch: int) -> list[list[int]]:
+    def _no_drafts(self, d: Decision) -> list[list[int]]:
         """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
-        self.stats.add_step(drafted=False, cap=cap, kept=[0] * batch)
-        self._prev, self._prev_kind = {}, "skip"
-        self._last_end = time.perf_counter()
+        self.stats.add_step(drafted=False, cap=d.cap, kept=[0] * d.batch)
+        self.state.sent, self.state.sent_kind = {}, PlanMode.SKIP
+        self.state.last_end = time.perf_counter()
         self._maybe_log()
-        return [[] for _ in range(batch)]
+        return [[] for _ in range(d.batch)]
 
     # ------------------------------------------------------------------ held context
     def _store_context(self, states, positions, slots) -> None:
@@ -342,7 +381,7 @@ class DSparkProposer(DFlashProposer):
         layout the eager store uses."""
         n = int(target_hidden_states.shape[0])
         positions, slots = target_positions[:n], cad.slot_mapping[:n]
-        if not self._hold_checked:
+        if not self.state.hold_checked:
             self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
                                        self.model.combine_hidden_states(target_hidden_states), token_indices,
                                        cad, num_rejected)
@@ -350,12 +389,12 @@ class DSparkProposer(DFlashProposer):
             want_slots = self._context_slot_mapping_buffer[:n]
             if not (torch.equal(want_pos.to(positions.dtype), positions)
                     and torch.equal(want_slots.to(slots.dtype), slots)):
-                self._hold_ok = False
+                self.state.hold_ok = False
                 logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context "
                                "layout; steps without drafts store their context at once (about 1 ms a step)")
                 self._store_context(target_hidden_states, want_pos, want_slots)
                 return
-            self._hold_checked = True
+            self.state.hold_checked = True
         self.pending.hold(req_ids, target_hidden_states, positions, slots)
 
     # ------------------------------------------------------------------ pieces
@@ -379,17 +418,17 @@ class DSparkProposer(DFlashProposer):
     def _draft_time_scale(self) -> float:
         return float(self._divergence().get("draft_time_scale", 1.0))
 
-    def _plan(self, caps: list[int], sampled: np.ndarray) -> B.Plan:
+    def _plan(self, caps: list[int], sampled: np.ndarray) -> Plan:
         """What this step runs, the same on every TP rank."""
         if max(caps, default=0) <= 0:
-            return B.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
+            return budget.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
         if self.settings.verification != "budget":
-            return B.DRAFT
+            return budget.DRAFT
         if self.costs is None:
             raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
                                "hook did not run (is the vllm_dspark plugin registered in the worker?)")
         wire = self.consensus.decide(lambda: self.policy.plan(caps, sampled).to_wire())
-        return B.Plan.from_wire(wire)
+        return Plan.from_wire(wire)
 
     def mark_step_start(self) -> None:
         """The runner's ``execute_model`` began (``v1-runner-step-clock`` patch).
@@ -400,34 +439,36 @@ class DSparkProposer(DFlashProposer):
         lockstep benchmark measured 3-5x the profile that way, and the budget
         dropped its cached profile as stale).
         """
-        self._step_start = time.perf_counter()
-        self.step_marks += 1
-        self._decided = None  # a plan belongs to the step it was made for
+        self.state.step_start = time.perf_counter()
+        self.state.step_marks += 1
+        self.state.decided = None  # a plan belongs to the step it was made for
 
     def _feedback(self, req_ids, cad, num_rejected, t0) -> None:
         """Acceptance of the previous drafts, and the duration of the verify step that measured it."""
-        if self.costs is not None and self._last_end is not None and cad.max_query_len <= self.block + 1:
+        st = self.state
+        if self.costs is not None and st.last_end is not None and cad.max_query_len <= self.block + 1:
             # Decode-only steps: the interval is the target's verify step (prefill chunks would skew it).
-            start = self._last_end if self._step_start is None else max(self._last_end, self._step_start)
+            start = st.last_end if st.step_start is None else max(st.last_end, st.step_start)
             self.costs.observe_verify(int(cad.num_actual_tokens), t0 - start)
             self._check_stale()
-        if not self._prev:
+        if not st.sent:
             return
         rej = num_rejected.tolist() if num_rejected is not None else None
         records, results = [], []
         for i, rid in enumerate(req_ids):
-            prev = self._prev.get(rid)
-            if prev is None:
+            sent = st.sent.get(rid)
+            if sent is None:
                 continue
-            conf, kept, sampled = prev
+            kept = sent.kept
             accepted = kept if rej is None else max(0, min(kept, kept - int(rej[i])))
-            results.append((conf, kept, accepted, sampled))
+            results.append(Feedback(sent.confidence, kept, accepted, sent.sampled, sent.source))
             self.stats.add_acceptance(kept, accepted)
             if self.settings.trace_path:
-                records.append({"step": self._step, "req_id": rid, "verified": kept, "accepted": accepted,
-                                "confidence": conf[:kept], "sampled": sampled, "kind": self._prev_kind})
+                records.append({"step": st.step, "req_id": rid, "verified": kept, "accepted": accepted,
+                                "confidence": sent.confidence[:kept], "sampled": sent.sampled,
+                                "kind": str(st.sent_kind)})
         # Every rank learns from the same acceptances; only the deciding rank's policy decides.
-        self.policy.feedback(self._prev_kind, results)
+        self.policy.feedback(st.sent_kind, results)
         if records:
             self._write_trace(records)
 
@@ -449,55 +490,16 @@ class DSparkProposer(DFlashProposer):
         costs.cache_path = None
         costs.rebase()
 
-    def _sequential_stage(self, rows, anchors, sampling_metadata, req_rows: list[int], n: int,
-                          sampled: np.ndarray, cad):
-        """Draft ``n`` positions for the batch rows ``req_rows`` from their hidden states ``rows``
-        ([len(req_rows) * n, H]): (tokens [r, n], conf [r, n], draft probs [r, n, V] or None)."""
-        from vllm_dspark.ops import markov_draft
-
-        model = self.model
-        mw = self._drafting_weights()
-        r = len(req_rows)
-        base, conf_base = markov_stage_inputs(mw, rows, model.compute_logits, r, n,
-                                              with_confidence=mw.conf_w_hidden is not None)
-        sel = torch.tensor(req_rows, dtype=torch.int64)
-        anchors = anchors[sel.to(anchors.device)].to(torch.int64)
-        is_sampled = torch.from_numpy(np.asarray(sampled, dtype=bool)[req_rows].copy())
-        tokens = torch.empty(r, n, dtype=torch.int64, device=base.device)
-        conf = torch.ones(r, n, dtype=torch.float32, device=base.device)
-        probs = None
-        greedy = ~is_sampled
-        if bool(greedy.any()):
-            idx = greedy.nonzero().flatten()
-            out = markov_draft(base[idx], anchors[idx], mw.markov_w1, mw.markov_w2,
-                               mw.w2_row_norms, None if conf_base is None else conf_base[idx],
-                               mw.conf_w_markov, max_norms=mw.max_norms)
-            tokens[idx], conf[idx] = out.tokens, out.conf
-            self.last_markov_path = out.path
-        if bool(is_sampled.any()):
-            from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
-
-            idx = is_sampled.nonzero().flatten()
-            batch_idx = sel[idx]
-            temps = sampling_metadata.temperature[batch_idx].float()
-            top_k = sampling_metadata.top_k[batch_idx] if sampling_metadata.top_k is not None else None
-            top_p = sampling_metadata.top_p[batch_idx] if sampling_metadata.top_p is not None else None
-            seeds = self._draft_seeds(batch_idx.tolist(), cad)
-            t_s, c_s, q_s = sample_drafts(base[idx], anchors[idx], mw, temps, seeds,
-                                          None if conf_base is None else conf_base[idx], top_k=top_k, top_p=top_p)
-            tokens[idx], conf[idx] = t_s, c_s
-            probs = torch.zeros(r, n, mw.vocab, dtype=torch.float32, device=base.device)
-            probs[idx] = q_s
-        return tokens, conf, probs
-
-    def _drafting_weights(self):
-        """The Markov stage's weights; the ablation's bias-free copy is built once, not every step."""
+    @property
+    def markov_stage(self) -> MarkovStage:
+        """The drafter's :class:`MarkovStage`, built once its weights are loaded; with ``use_markov``
+        off (the ablation), over the bias-free copy of the weights."""
         mw = self.model.markov
-        if self.settings.use_markov:
-            return mw
-        if getattr(self, "_ablation_src", None) is not mw:
-            self._ablation_src, self._ablation = mw, mw.without_bias()
-        return self._ablation
+        if self._stage is None or self._stage_src is not mw:
+            self._stage_src = mw
+            self._stage = MarkovStage(mw if self.settings.use_markov else mw.without_bias(),
+                                      self.model.compute_logits)
+        return self._stage
 
     def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
         temps = getattr(sampling_metadata, "temperature", None)
@@ -524,6 +526,7 @@ class DSparkProposer(DFlashProposer):
         return torch.tensor(out, dtype=torch.int64)
 
     def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray) -> list[int]:
+        """How many of each request's drafts the target verifies, by the verification setting."""
         s = self.settings
         c = conf.cpu().numpy().astype(np.float64)
         if s.verification != "budget":
@@ -536,11 +539,11 @@ class DSparkProposer(DFlashProposer):
     # ------------------------------------------------------------------ observability
     def _trace(self, req_ids, anchors, tokens, conf, kept, sampled) -> None:
         pos = self.positions[: len(req_ids) * self.block].view(-1, self.block)[:, 0].tolist()
-        recs = [{"step": self._step, "pid": os.getpid(), "req_id": rid, "pos": pos[i], "anchor": anchors[i],
+        recs = [{"step": self.state.step, "pid": os.getpid(), "req_id": rid, "pos": pos[i], "anchor": anchors[i],
                  "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
                  "verification": self.settings.verification, "threshold": self.settings.threshold,
                  # Sampled drafts are drawn by draft_sampling (dense, per position), greedy ones by the op.
-                 "path": "sampled" if sampled[i] else self.last_markov_path}
+                 "path": "sampled" if sampled[i] else self.markov_stage.last_path}
                 for i, rid in enumerate(req_ids)]
         self._write_trace(recs)
 
@@ -566,10 +569,10 @@ class DSparkProposer(DFlashProposer):
                 "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
                                                  "scale_draft": c.scale_draft, "rebased": c.rebased,
                                                  "cache_path": c.cache_path},
-                "held_context": {**self.pending.counts, "enabled": self._hold_ok,
-                                 "before_glue_steps": self.before_glue_steps},
-                "step_clock": {"marks": self.step_marks,
-                               "from": "execute_model" if self.step_marks else "previous propose"},
+                "held_context": {**self.pending.counts, "enabled": self.state.hold_ok,
+                                 "before_glue_steps": self.state.before_glue_steps},
+                "step_clock": {"marks": self.state.step_marks,
+                               "from": "execute_model" if self.state.step_marks else "previous propose"},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
 
@@ -579,3 +582,17 @@ def _unseeded_draft_seed(base: int, req_id: str, position: int) -> int:
     on every rank and in every process: no Python ``hash``, whose salt differs per process)."""
     digest = hashlib.blake2b(f"{base}:{req_id}:{position}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2 ** 62 - 1)
+
+
+def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
+    """A probe's drafts for ``rows`` ([len(rows), k]) placed in a [batch, n] record, zero elsewhere."""
+    k = drafts.tokens.shape[1]
+    dev = drafts.tokens.device
+    tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
+    conf = torch.zeros(batch, n, dtype=torch.float32, device=dev)
+    tokens[rows, :k], conf[rows, :k] = drafts.tokens, drafts.confidence
+    probs = None
+    if drafts.probs is not None:
+        probs = torch.zeros(batch, n, drafts.probs.shape[-1], dtype=torch.float32, device=drafts.probs.device)
+        probs[rows, :k] = drafts.probs
+    return Drafts(tokens, conf, probs, drafts.source, drafts.path)

@@ -46,7 +46,7 @@ class DSparkWorkerExtension:
         drafter = getattr(runner, "drafter", None)
         batch = getattr(runner, "input_batch", None)
         num = getattr(batch, "num_reqs", 0) if batch is not None else 0
-        prev = getattr(drafter, "_prev", None)
+        prev = getattr(getattr(drafter, "state", None), "sent", None)
         stats: Any = getattr(drafter, "stats", None)
         return {
             "runner_requests": sorted(getattr(runner, "requests", {}) or {}),

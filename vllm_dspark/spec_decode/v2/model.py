@@ -89,7 +89,7 @@ from typing import Any
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.spec_decode.common.markov_inputs import markov_stage_inputs
+from vllm_dspark.spec_decode.common.drafts import MarkovStage
 from vllm_dspark.versions import V2_SERIES, require
 
 logger = logging.getLogger("vllm_dspark")
@@ -233,21 +233,18 @@ def run_markov_stage(
     estimator's features; see the module docstring. No host sync; the op's
     outputs go straight into the speculator's persistent buffers.
     """
-    if op is None:
-        op = torch.ops.vllm_dspark.markov_draft
+    stage = MarkovStage(weights, compute_draft_logits)
     n = speculator.num_speculative_steps
     num_sample = num_reqs * n
     sample_hidden = head_hidden[speculator.sample_indices[:num_sample]]  # [R*N, H]
     use_conf = bool(getattr(speculator, "use_confidence_head", False))
-    base, conf_base = markov_stage_inputs(weights, sample_hidden, compute_draft_logits, num_reqs, n,
-                                          with_confidence=use_conf)  # [R, N, V], [R, N] fp32 or None
+    base, conf_base = stage.inputs(sample_hidden, num_reqs, n, with_confidence=use_conf)  # [R, N, V], [R, N] or None
     V = weights.vocab
     dev = base.device
 
     anchors = speculator.input_buffers.input_ids[speculator._anchor_idx[:num_reqs]].to(torch.int64)  # [R]
     temperature, seeds = request_sampling_params(speculator, num_reqs)
 
-    conf_w_markov = weights.conf_w_markov if use_conf else None
     if use_conf:
         out_conf = speculator.draft_token_confidence_probs[:num_reqs]  # [R, N] fp32
     else:
@@ -259,8 +256,7 @@ def run_markov_stage(
                   if cache is not None or estimator is not None else None)
     out_tokens = speculator.draft_tokens[:num_reqs]  # [R, N] int64
 
-    op(base, anchors, weights.markov_w1, weights.markov_w2, weights.w2_row_norms,
-       conf_base, conf_w_markov, temperature, seeds, out_tokens, out_conf, out_logits, None, weights.max_norms)
+    stage.draft_into(base, anchors, conf_base, temperature, seeds, out_tokens, out_conf, out_logits, op=op)
 
     if out_logits is not None:
         idx_map = speculator.sample_idx_mapping[:num_sample].view(num_reqs, n)

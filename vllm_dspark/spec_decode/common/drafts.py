@@ -1,0 +1,229 @@
+"""One draft path: what a draft source returns, and the Markov stage every runner shares.
+
+A step's drafts come from **sources** (:class:`DraftSource`). Each returns a
+:class:`Drafts` record: tokens in target-vocabulary ids, a per-position
+confidence the budget calibrates into survival, the exact draft distribution q
+for sampled requests, and which source and implementation made it. The budget
+(``budget.py``) ranks the slots of every source's drafts against one verify
+cost; the runners (V1's proposer, V2's ``sample_sequential`` hook) and the
+start-up profile never reach a drafting kernel except through a source.
+
+:class:`MarkovStage` is DSpark's own source, from the backbone's hidden rows to
+drafts: the base logits (the LM head), the confidence head's parallel part,
+then the sequential stage, greedy rows through the Markov draft op and sampled
+rows through the shared Python recurrence (``ops.markov_reference.
+markov_recurrence``, whose ``pick`` draws from the exact q). What varies between
+checkpoints sits behind two small objects the stage owns:
+
+* the **head** (:class:`VanillaHead`): its embedding of the previous token, its
+  bias, and the bound the op prunes with;
+* the **vocabulary map** (:class:`IdentityVocab`): draft ids to target ids, and
+  q from draft to target vocabulary.
+
+A new head variant or vocabulary map changes this module and the op; the
+runners only ever call :meth:`MarkovStage.draft` or :meth:`MarkovStage.draft_into`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from vllm_dspark.model.markov_weights import MarkovWeights
+from vllm_dspark.ops.markov_reference import embed_prev
+from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE  # noqa: F401 (re-exported)
+
+
+@dataclass(frozen=True)
+class Drafts:
+    """One source's drafts for the requests it was asked about (``R`` rows, ``N`` positions)."""
+
+    tokens: torch.Tensor  # [R, N] int64, target-vocabulary ids
+    confidence: torch.Tensor  # [R, N] fp32, per-position conditional acceptance estimate (1: no head)
+    probs: torch.Tensor | None  # [R, N, V] fp32 exact q of sampled rows (zero rows elsewhere), or None
+    source: str = MODEL_SOURCE
+    path: str | None = None  # which implementation drafted the greedy rows ("compiled", "reference")
+
+
+@dataclass(frozen=True)
+class DraftBatch:
+    """What a source drafts for: some requests of the step's batch, and how each samples.
+
+    ``rows`` are batch indices; every per-request tensor below is indexed by
+    batch row (the step's full batch), so a source drafting a subset reads its
+    own rows. ``hidden`` is the backbone's output for the requested rows
+    ([len(rows) * num_tokens, H], row-major by request), for sources that read it.
+    """
+
+    rows: Sequence[int]
+    anchors: torch.Tensor  # [batch] int64, last accepted token of each request
+    num_tokens: int
+    sampled: np.ndarray  # [batch] bool: drafted by sampling (temperature > 0)
+    hidden: torch.Tensor | None = None
+    temperature: torch.Tensor | None = None  # [batch] fp32
+    top_k: torch.Tensor | None = None  # [batch] int
+    top_p: torch.Tensor | None = None  # [batch] fp32
+    seeds: Callable[[list[int]], torch.Tensor] | None = None  # batch rows -> [len] int64 Gumbel seeds
+
+
+@runtime_checkable
+class DraftSource(Protocol):
+    """Anything that drafts: the Markov stage today, a copy source next."""
+
+    name: str
+
+    def draft(self, batch: DraftBatch) -> Drafts:
+        ...
+
+
+class VanillaHead:
+    """``b = markov_w2 @ markov_w1[prev]``: DSpark's vanilla Markov head.
+
+    ``embed`` and ``bias`` are what the shared recurrence calls; ``row_norms``
+    and ``max_norms`` are the bound the op prunes with (Cauchy-Schwarz on
+    ``markov_w2[j] . e``), which a new head must restate for its own bias.
+    """
+
+    kind = "vanilla"
+
+    def __init__(self, weights: MarkovWeights):
+        self.weights = weights
+
+    def embed(self, prev: torch.Tensor) -> torch.Tensor:  # [R] target ids -> [R, rank] fp32
+        return embed_prev(self.weights.markov_w1, prev)
+
+    def bias_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """[R, rank] -> [R, V] fp32 bias, accumulated in fp64 (the op's contract). ``markov_w2`` is
+        widened once per call of the stage, not kept: at K3's size the fp64 copy is 335 MB."""
+        w2 = self.weights.markov_w2.to(torch.float64)
+        return lambda e: (e.double() @ w2.T).float()
+
+    @property
+    def row_norms(self) -> torch.Tensor:
+        return self.weights.w2_row_norms
+
+    @property
+    def max_norms(self) -> torch.Tensor | None:
+        return self.weights.max_norms
+
+
+class IdentityVocab:
+    """The drafter scores the target's own vocabulary: draft id == target id."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids
+
+    def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+
+class MarkovStage:
+    """DSpark's drafts from the backbone's hidden rows (a :class:`DraftSource`).
+
+    Parameters
+    ----------
+    weights : the drafter's :class:`MarkovWeights` (what the op reads)
+    compute_logits : [rows, H] -> [rows, V'] base logits (the LM head; V' >= V, vLLM pads)
+    """
+
+    name = MODEL_SOURCE
+
+    def __init__(self, weights: MarkovWeights, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
+        self.weights = weights
+        self.compute_logits = compute_logits
+        self.head = VanillaHead(weights)
+        self.vocab = IdentityVocab(weights.vocab)
+        self.last_path: str | None = None
+
+    # ------------------------------------------------------------------ inputs
+    def inputs(self, hidden: torch.Tensor, num_rows: int, n: int, *,
+               with_confidence: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """From the backbone's rows ``hidden`` [num_rows * n, H]: the base logits [num_rows, n, V]
+        (trimmed to the head's vocabulary: vLLM may pad its LM head) and, when asked, the
+        confidence head's hidden-state term [num_rows, n] fp32."""
+        base = self.compute_logits(hidden)  # [R * N, V']
+        vocab = self.weights.vocab
+        if base.shape[-1] < vocab:
+            raise RuntimeError(f"vllm_dspark: draft logits have {base.shape[-1]} columns but the Markov head "
+                               f"has {vocab} rows")
+        base = base[:, :vocab].reshape(num_rows, n, vocab)
+        if not with_confidence:
+            return base, None
+        conf = self.weights.confidence_base(hidden)
+        if conf is None:
+            raise RuntimeError("vllm_dspark: confidences were asked for, but the draft has no confidence head")
+        return base, conf.view(num_rows, n)
+
+    # ------------------------------------------------------------------ drafting
+    def greedy(self, base: torch.Tensor, anchors: torch.Tensor,
+               conf_base: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Greedy rows through the Markov draft op: (tokens [R, N] target ids, conf [R, N], path)."""
+        from vllm_dspark.ops import markov_draft
+
+        w = self.weights
+        out = markov_draft(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base,
+                           w.conf_w_markov, max_norms=self.head.max_norms)
+        return self.vocab.to_target(out.tokens), out.conf, out.path
+
+    def sampled(self, base: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+                conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
+                top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sampled rows (``draft_sampling``): tokens [R, N], conf [R, N], exact q [R, N, V]."""
+        from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
+
+        tokens, conf, q = sample_drafts(base, anchors, self.weights, temperature, seeds, conf_base,
+                                        top_k=top_k, top_p=top_p, head=self.head)
+        return self.vocab.to_target(tokens), conf, self.vocab.q_to_target(q)
+
+    def draft(self, batch: DraftBatch) -> Drafts:
+        """Drafts for ``batch.rows`` from ``batch.hidden``: greedy rows on the op, sampled rows sampled."""
+        rows = list(batch.rows)
+        r, n = len(rows), batch.num_tokens
+        assert batch.hidden is not None, "the Markov stage drafts from the backbone's hidden rows"
+        w = self.weights
+        base, conf_base = self.inputs(batch.hidden, r, n, with_confidence=w.conf_w_hidden is not None)
+        sel = torch.tensor(rows, dtype=torch.int64)
+        anchors = batch.anchors[sel.to(batch.anchors.device)].to(torch.int64)
+        is_sampled = torch.from_numpy(np.asarray(batch.sampled, dtype=bool)[rows].copy())
+        tokens = torch.empty(r, n, dtype=torch.int64, device=base.device)
+        conf = torch.ones(r, n, dtype=torch.float32, device=base.device)
+        probs = None
+        greedy = ~is_sampled
+        if bool(greedy.any()):
+            idx = greedy.nonzero().flatten()
+            tokens[idx], conf[idx], self.last_path = self.greedy(
+                base[idx], anchors[idx], None if conf_base is None else conf_base[idx])
+        if bool(is_sampled.any()):
+            idx = is_sampled.nonzero().flatten()
+            batch_idx = sel[idx]
+            assert batch.temperature is not None and batch.seeds is not None
+            t_s, c_s, q_s = self.sampled(
+                base[idx], anchors[idx], batch.temperature[batch_idx].float(), batch.seeds(batch_idx.tolist()),
+                None if conf_base is None else conf_base[idx],
+                top_k=None if batch.top_k is None else batch.top_k[batch_idx],
+                top_p=None if batch.top_p is None else batch.top_p[batch_idx])
+            tokens[idx], conf[idx] = t_s, c_s
+            probs = torch.zeros(r, n, self.vocab.size, dtype=torch.float32, device=base.device)
+            probs[idx] = q_s
+        return Drafts(tokens, conf, probs, self.name, self.last_path)
+
+    def draft_into(self, base: torch.Tensor, anchors: torch.Tensor, conf_base: torch.Tensor | None,
+                   temperature: torch.Tensor, seeds: torch.Tensor, out_tokens: torch.Tensor,
+                   out_conf: torch.Tensor, out_logits: torch.Tensor | None, *,
+                   op: Callable[..., Any] | None = None) -> None:
+        """One op call writing into preallocated outputs (V2's CUDA-graph path: no allocation of its
+        own, no host sync). Greedy and sampled rows alike: the op draws sampled rows by Gumbel noise,
+        and ``out_logits`` gets the corrected logits the rejection sampler's q is made from."""
+        if op is None:
+            op = torch.ops.vllm_dspark.markov_draft
+        w = self.weights
+        conf_w_markov = w.conf_w_markov if conf_base is not None else None
+        op(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base, conf_w_markov,
+           temperature, seeds, out_tokens, out_conf, out_logits, None, self.head.max_norms)
