@@ -1,4 +1,5 @@
-"""DSpark checkpoint I/O: SpecForge's single-file BF16 export layout."""
+"""DSpark checkpoints of every family: the tensors each drafter holds (``shapes``), a draft vocabulary's id maps
+(``vocab_map``), and reading, validating and writing them (``io``)."""
 
 from vllm_dspark.checkpoint.io import (
                                        CheckpointError,

@@ -1,10 +1,15 @@
-"""Read, validate and write DSpark checkpoints in SpecForge's export layout.
+"""Read, validate and write DSpark checkpoints of every family.
 
-A checkpoint directory holds ``config.json`` and one ``model.safetensors`` (BF16,
-no ``model.`` prefix, no ``embed_tokens`` / ``lm_head``). Validation reads the
-safetensors header first (names, shapes, dtypes, byte ranges against the file
-size) and then streams the tensors one at a time from a memory map for the
-NaN/Inf scan, so a 4.5 GB export is never held in memory twice.
+A checkpoint directory holds ``config.json`` and one ``model.safetensors``
+(SpecForge: BF16, no ``model.`` prefix, no ``embed_tokens`` / ``lm_head``;
+DeepSpec and speculators also save copies of the target's embedding and LM
+head, and a draft vocabulary brings its own ``lm_head`` and ``d2t`` / ``t2d``).
+Names of every generation map to one canonical set (:func:`canonical_name`), and
+:mod:`vllm_dspark.checkpoint.shapes` gives the shape each must have. Validation
+reads the safetensors header first (names, shapes, dtypes, byte ranges against
+the file size), checks a draft vocabulary's id maps (small: always read), and
+then streams the tensors one at a time from a memory map for the NaN/Inf scan,
+so a 4.5 GB export is never held in memory twice.
 """
 
 from __future__ import annotations
@@ -21,23 +26,29 @@ from typing import cast
 
 import torch
 
+from vllm_dspark.checkpoint.shapes import TensorSpec, drafter_tensors, required_shapes
+from vllm_dspark.checkpoint.vocab_map import d2t_problems, t2d_problems
 from vllm_dspark.config import DSparkConfig, DSparkConfigError
-from vllm_dspark.model.reference import expected_tensor_shapes
 from vllm_dspark.model.rope import rope_inv_freq_and_scale
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
-# Older SpecForge exports kept both DSpark heads under one `logit_head.` module.
+# Older SpecForge exports kept both DSpark heads under one `logit_head.` module (SpecForge's
+# normalize_draft_head_checkpoint_keys maps the same names).
 LEGACY_PREFIXES = {
+    "logit_head.markov_head.": "markov_head.",
     "logit_head.markov_w1.": "markov_head.markov_w1.",
     "logit_head.markov_w2.": "markov_head.markov_w2.",
     "logit_head.confidence_head.": "confidence_head.",
     "logit_head.proj.": "confidence_head.proj.",
     "logit_head.confidence_proj.": "confidence_head.proj.",
 }
-# The drafter borrows these from the target; an export may still carry copies.
+# The drafter borrows these from the target; an export may still carry copies (full vocabulary only:
+# a draft vocabulary's lm_head is the drafter's own).
 OPTIONAL_SHARED = {"embed_tokens.weight", "lm_head.weight"}
+# Other integer dtypes a map may be stored in and still load into vLLM's int64 parameter.
+_INTEGER_DTYPES = {"int64", "int32"}
 
 _ST_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
               "I64": "int64", "I32": "int32", "I8": "int8", "U8": "uint8", "BOOL": "bool",
@@ -153,8 +164,11 @@ def validate_checkpoint(path: str | Path, *, scan_values: bool = True,
                         config: DSparkConfig | None = None) -> CheckpointReport:
     """Check a checkpoint directory (or a bare config.json) and report every problem.
 
-    Problems name the tensor and give expected vs found. ``scan_values`` streams
-    every tensor once to look for NaN/Inf.
+    Problems name the tensor and give expected vs found, with the fix where
+    the cause is known (a head type or draft vocabulary that the config and the
+    tensors disagree on). A draft vocabulary's ``d2t`` / ``t2d`` values are
+    always checked (they are small); ``scan_values`` streams every tensor once
+    to look for NaN/Inf.
     """
     path = Path(path)
     cfg_path = path / CONFIG_NAME if path.is_dir() else path
@@ -180,38 +194,113 @@ def validate_checkpoint(path: str | Path, *, scan_values: bool = True,
             report.problems.append(f"{WEIGHTS_NAME}: holds no tensors")
         return report
     cfg = report.config
-    expected = expected_tensor_shapes(cfg)
-    for name, shape in expected.items():
-        entry = report.tensors.get(name)
-        if entry is None:
-            report.problems.append(f"{name}: missing (expected shape {list(shape)}, dtype {cfg.dtype})")
-            continue
-        if entry.shape != shape:
-            report.problems.append(f"{name}: shape {list(entry.shape)} but the config implies {list(shape)}")
-        # The confidence head is kept in fp32 by some exports; every other tensor follows the config.
-        allowed = {cfg.dtype} | ({"float32"} if name.startswith("confidence_head.") else set())
-        if entry.dtype not in allowed:
-            report.problems.append(f"{name}: dtype {entry.dtype} but the config says {cfg.dtype}")
-    for name, entry in report.tensors.items():
-        if name in expected:
-            continue
-        if name in OPTIONAL_SHARED:
-            want = (cfg.vocab_size, cfg.hidden_size)
-            if entry.shape != want:
-                report.problems.append(f"{entry.stored_name}: shape {list(entry.shape)} is inconsistent with the "
-                                       f"target-shared shape {list(want)} (vocab_size x hidden_size)")
-            continue
-        report.problems.append(f"{entry.stored_name}: unexpected tensor (shape {list(entry.shape)}); "
-                               "not part of a DSpark drafter with this config")
-    if scan_values and not any("truncated" in p or "corrupt" in p for p in report.problems):
-        for name, tensor in iter_tensors(path, names=list(report.tensors)):
-            if tensor.is_floating_point():
-                bad = ~torch.isfinite(tensor)
-                if bool(bad.any()):
-                    nan = int(torch.isnan(tensor).sum())
-                    inf = int(bad.sum()) - nan
-                    report.problems.append(f"{name}: contains {nan} NaN and {inf} Inf values")
+    specs = drafter_tensors(cfg)
+    report.problems += _tensor_problems(cfg, specs, report.tensors)
+    corrupt = any("truncated" in p or "corrupt" in p for p in report.problems)
+    if not corrupt:
+        report.problems += _vocab_map_problems(path, cfg, specs, report.tensors)
+    if scan_values and not corrupt:
+        report.problems += _non_finite_problems(path, list(report.tensors))
     return report
+
+
+def _tensor_problems(cfg: DSparkConfig, specs: dict[str, TensorSpec],
+                     tensors: dict[str, HeaderEntry]) -> list[str]:
+    """Missing, misshapen, mistyped and unexpected tensors, each named with what was expected."""
+    problems: list[str] = []
+    for name, spec in specs.items():
+        entry = tensors.get(name)
+        if entry is None:
+            if spec.required:
+                problems.append(_missing(cfg, name, spec))
+            continue
+        if entry.shape != spec.shape:
+            problems.append(_misshapen(cfg, name, spec, entry))
+        problems += _dtype_problems(cfg, name, spec, entry)
+    for name, entry in tensors.items():
+        if name not in specs:
+            problems.append(_unexpected(cfg, entry))
+    return problems
+
+
+def _missing(cfg: DSparkConfig, name: str, spec: TensorSpec) -> str:
+    shape = f"expected shape {list(spec.shape)}, dtype {spec.dtype or cfg.dtype}"
+    if name == "lm_head.weight":
+        return (f"lm_head.weight: missing ({shape}); a draft-vocabulary drafter (draft_vocab_size "
+                f"{cfg.draft_vocab_size}) scores with its own LM head over those ids, and the target's "
+                f"[{cfg.vocab_size}, {cfg.hidden_size}] head cannot stand in for it: re-export the checkpoint with "
+                "its lm_head, or drop draft_vocab_size if the drafter was trained on the full vocabulary")
+    if name == "d2t":
+        return (f"d2t: missing ({shape}); a draft-vocabulary drafter needs it to turn drafted ids into target "
+                "ids (target id = draft id + d2t[draft id]): re-export the checkpoint with d2t")
+    if name.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")):
+        return (f"{name}: missing ({shape}: {spec.what}); markov_head_type is {cfg.markov_head_type!r}, whose "
+                f"head needs it: check {cfg.key('markov_head_type')} against how the drafter was trained")
+    return f"{name}: missing ({shape})"
+
+
+def _misshapen(cfg: DSparkConfig, name: str, spec: TensorSpec, entry: HeaderEntry) -> str:
+    if name in OPTIONAL_SHARED and not spec.parameter:
+        return (f"{entry.stored_name}: shape {list(entry.shape)} is inconsistent with the target-shared shape "
+                f"{list(spec.shape)} (vocab_size x hidden_size)")
+    what = f" ({spec.what})" if spec.what else ""
+    return f"{name}: shape {list(entry.shape)} but the config implies {list(spec.shape)}{what}"
+
+
+def _dtype_problems(cfg: DSparkConfig, name: str, spec: TensorSpec, entry: HeaderEntry) -> list[str]:
+    if spec.dtype is not None:
+        allowed = _INTEGER_DTYPES if spec.dtype == "int64" else {spec.dtype}
+        if entry.dtype not in allowed:
+            return [f"{name}: dtype {entry.dtype}, expected {spec.dtype} ({spec.what})"]
+        return []
+    # The confidence head is kept in fp32 by some exports; every other tensor follows the config.
+    allowed = {cfg.dtype} | ({"float32"} if name.startswith("confidence_head.") else set())
+    if name in OPTIONAL_SHARED and not spec.parameter:
+        allowed |= {"bfloat16", "float16", "float32"}  # a copy of the target's, only ever dropped
+    if entry.dtype not in allowed:
+        return [f"{name}: dtype {entry.dtype} but the config says {cfg.dtype}"]
+    return []
+
+
+def _unexpected(cfg: DSparkConfig, entry: HeaderEntry) -> str:
+    name = entry.name
+    for prefix, head in (("markov_head.gate_proj.", "gated"), ("markov_head.joint_proj.", "rnn")):
+        if name.startswith(prefix):
+            return (f"{entry.stored_name}: present, but markov_head_type is {cfg.markov_head_type!r}; this is a "
+                    f"{head!r} head's tensor: set {cfg.key('markov_head_type')} to {head!r} if the drafter was "
+                    "trained with it")
+    if name in ("d2t", "t2d"):
+        return (f"{entry.stored_name}: present, but the config has no draft vocabulary (draft_vocab_size absent): "
+                f"set draft_vocab_size to the drafter's (d2t has {entry.shape[0] if entry.shape else '?'} entries)")
+    return (f"{entry.stored_name}: unexpected tensor (shape {list(entry.shape)}); "
+            "not part of a DSpark drafter with this config")
+
+
+def _vocab_map_problems(path: Path, cfg: DSparkConfig, specs: dict[str, TensorSpec],
+                        tensors: dict[str, HeaderEntry]) -> list[str]:
+    """``d2t`` / ``t2d`` values against the target vocabulary (when both are present and well-shaped)."""
+    if cfg.draft_vocab_size is None or "d2t" not in tensors:
+        return []
+    names = [n for n in ("d2t", "t2d") if n in tensors and tensors[n].shape == specs[n].shape]
+    if "d2t" not in names:
+        return []
+    maps = dict(iter_tensors(path, names=names))
+    problems = d2t_problems(maps["d2t"], cfg.vocab_size)
+    if "t2d" in maps:
+        problems += t2d_problems(maps["t2d"], maps["d2t"], cfg.vocab_size)
+    return problems
+
+
+def _non_finite_problems(path: Path, names: list[str]) -> list[str]:
+    problems = []
+    for name, tensor in iter_tensors(path, names=names):
+        if tensor.is_floating_point():
+            bad = ~torch.isfinite(tensor)
+            if bool(bad.any()):
+                nan = int(torch.isnan(tensor).sum())
+                inf = int(bad.sum()) - nan
+                problems.append(f"{name}: contains {nan} NaN and {inf} Inf values")
+    return problems
 
 
 def iter_tensors(path: str | Path, names: list[str] | None = None,
@@ -240,8 +329,15 @@ def load_checkpoint(path: str | Path, *, device: str = "cpu", validate: bool = T
         assert cfg is not None  # an ok report always carries its config
     else:
         cfg = DSparkConfig.from_json(path)
-    state = {name: t for name, t in iter_tensors(path, device=device) if name not in OPTIONAL_SHARED}
+    shared = _shared_copies(cfg)
+    state = {name: t for name, t in iter_tensors(path, device=device) if name not in shared}
     return cfg, state
+
+
+def _shared_copies(cfg: DSparkConfig) -> set[str]:
+    """Names that are only copies of the target's tensors (dropped at load: the target's are shared)."""
+    return {name for name, spec in drafter_tensors(cfg).items()
+            if name in OPTIONAL_SHARED and not spec.parameter}
 
 
 def load_reference_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str = "cpu"):
@@ -251,10 +347,20 @@ def load_reference_model(path: str | Path, *, dtype: torch.dtype = torch.float32
     cfg, state = load_checkpoint(path, device=device)
     with torch.device("meta"):
         model = DSparkDraftModel(cfg)
-    model.load_state_dict(state, strict=True, assign=True)
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise ValueError(f"load_reference_model: the reference drafter does not hold this checkpoint's tensors "
+                         f"({cfg.family} family, {cfg.backbone} layers, markov_head_type {cfg.markov_head_type!r}, "
+                         f"draft_vocab_size {cfg.draft_vocab_size}): {exc}") from None
     # Non-persistent buffers were created on the meta device with the module.
     model.rope_inv_freq = rope_inv_freq_and_scale(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)[0].to(device)
     return model.to(dtype=dtype)
+
+
+def _export(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    t = t.detach().to("cpu")
+    return (t.to(dtype) if t.is_floating_point() else t).contiguous()
 
 
 class CheckpointError(ValueError):
@@ -270,11 +376,13 @@ def save_checkpoint(path: str | Path, config: DSparkConfig, state: dict[str, tor
     from safetensors.torch import save_file
 
     path = Path(path)
-    expected = expected_tensor_shapes(config)
+    expected = required_shapes(config)
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"save_checkpoint: state dict lacks {missing}")
-    tensors = {k: state[k].detach().to("cpu", dtype).contiguous() for k in expected}
+    # Float tensors in the export dtype; a draft vocabulary's id maps keep theirs (int64 d2t, bool t2d).
+    optional = [k for k in ("t2d",) if k in state and k in drafter_tensors(config)]
+    tensors = {k: _export(state[k], dtype) for k in [*expected, *optional]}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:

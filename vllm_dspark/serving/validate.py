@@ -3,6 +3,17 @@
 A bad draft fails at start-up with ONE message listing every problem (missing
 files, shapes, vocabulary, layer ids, settings), instead of a traceback from
 deep inside vLLM or, worse, a drafter that loads and proposes garbage.
+
+Every DSpark checkpoint family is recognised here (not only SpecForge's), so a
+drafter this runner cannot serve is refused by name with what does serve it,
+instead of reaching vLLM's "Model Runner V1 does not support: dspark":
+
+* :func:`v1_runner_refusal`: drafters whose layers the V1 path does not run
+  (Gemma4DSparkModel, K3DSparkModel) or whose name would route them to vLLM's
+  plain DFlash model; one line, before anything else is checked;
+* :func:`in_progress_refusals`: what parses and validates but is not served
+  yet (gated / rnn Markov heads, draft vocabularies, the DeepSpec and
+  speculators layouts), kept in one function so it is lifted in one place.
 """
 
 from __future__ import annotations
@@ -14,12 +25,59 @@ from pathlib import Path
 from typing import Any
 
 from vllm_dspark.config import DSparkConfig, DSparkConfigError
+from vllm_dspark.config.families import is_dspark_config
 from vllm_dspark.serving.compat import check_target_compat, ensure_k3_aux_attn_res_stream
 from vllm_dspark.serving.settings import DSparkSettings, DSparkSettingsError, resolve_settings
 
 
 class DSparkDraftError(ValueError):
     """The DSpark draft cannot be served; the message lists every reason and the fix."""
+
+
+V2_RUNNER = "vLLM 0.33's V2 model runner (method 'dspark' on a CUDA GPU)"
+
+
+def v1_runner_refusal(cfg: DSparkConfig) -> str | None:
+    """One line when the V1 runner's DSpark path cannot run this drafter at all, else None.
+
+    The V1 path runs Qwen3 GQA draft layers, reached through vLLM's DFlash
+    model registry under ``"DFlash" + architectures[0]``: other layers have no
+    model there, and a SpecForge export named ``DFlashDraftModel`` would load as
+    vLLM's own DFlash drafter, whose Markov head is never applied.
+    """
+    if cfg.backbone != "qwen3":
+        kind = {"mla": "MLA (multi-head latent attention)", "gemma4": "Gemma4"}[cfg.backbone]
+        return (f"{cfg.architecture} ({kind} draft layers) is not served on vLLM 0.32's V1 runner, which runs Qwen3 "
+                f"GQA DSpark drafters only; serve it with {V2_RUNNER}, which loads {cfg.architecture} drafters")
+    if cfg.family == "specforge" and cfg.architecture != "DSparkDraftModel":
+        dropped = (", vLLM's plain DFlash drafter, which drops the Markov head"
+                   if cfg.architecture == "DFlashDraftModel" else "")
+        return (f"architectures: {cfg.architecture} (a SpecForge export, projector_type {cfg.projector_type!r}); the "
+                f"V1 runner's DSpark model is registered for the name DSparkDraftModel only, and vLLM resolves this "
+                f"one to another model{dropped}: set \"architectures\": [\"DSparkDraftModel\"] in config.json "
+                "(the tensors are the same)")
+    return None
+
+
+def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
+    """What parses and validates but is not served yet, one line each (issue 30; remove a check when it lands).
+
+    The checkpoint side reads these drafters (families, tensors, id maps); the
+    runners' Markov stage and loaders do not yet run them.
+    """
+    waiting = "parses and validates, but the V1/V2 Markov stage for it is in progress (issue 30)"
+    out = []
+    if cfg.markov_head_type != "vanilla":
+        out.append(f"{cfg.key('markov_head_type')}: {cfg.markov_head_type!r}: a {cfg.markov_head_type} Markov "
+                   f"head {waiting}; only 'vanilla' heads are served today")
+    if cfg.draft_vocab_size is not None:
+        out.append(f"{cfg.key('draft_vocab_size')}: {cfg.draft_vocab_size} (a draft vocabulary against "
+                   f"{cfg.vocab_size}) {waiting}; only full-vocabulary drafters are served today")
+    if cfg.family in ("deepspec", "speculators"):
+        out.append(f"a {cfg.family} checkpoint ({cfg.architecture}) parses and validates, but the V1 runner's "
+                   "loader reads SpecForge exports (architectures DSparkDraftModel, knobs in dflash_config) only "
+                   f"so far (issue 30); {V2_RUNNER} reads this layout")
+    return out
 
 
 @dataclass(frozen=True)
@@ -31,7 +89,11 @@ class DraftFiles:
 
 
 def read_dspark_draft(model_path: Any) -> DraftFiles | None:
-    """The draft's directory and config.json if it is a SpecForge DSpark export (Qwen3 GQA backbone), else None."""
+    """The draft's directory and config.json if it claims to be a DSpark drafter (any family), else None.
+
+    Every family is taken, also those this runner refuses: the refusal then
+    names the drafter and what serves it.
+    """
     if not model_path:
         return None
     path = Path(str(model_path))
@@ -39,7 +101,7 @@ def read_dspark_draft(model_path: Any) -> DraftFiles | None:
         d = json.loads((path / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    if isinstance(d, dict) and "DSparkDraftModel" in (d.get("architectures") or []) and d.get("model_type") == "qwen3":
+    if is_dspark_config(d):
         return DraftFiles(path, d)
     return None
 
@@ -64,6 +126,10 @@ def validate_draft_for_serving(draft: DraftFiles, target_hf_config: Any, *, num_
         problems += exc.problems
     settings = None
     if cfg is not None:
+        refusal = v1_runner_refusal(cfg)
+        if refusal is not None:
+            raise DSparkDraftError(f"DSpark draft {path}: {refusal}")
+        problems += in_progress_refusals(cfg)
         problems += validate_checkpoint(path, scan_values=False, config=cfg).problems
         if target_hf_config is not None:
             problems += check_target_compat(cfg, target_hf_config).problems

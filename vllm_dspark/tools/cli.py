@@ -23,7 +23,8 @@ def _human_bytes(n: float) -> str:
 def inspect_checkpoint(path: str, *, scan_values: bool = True, target: str | None = None) -> dict:
     """The facts ``vllm-dspark inspect`` prints, as a JSON-ready dict."""
     from vllm_dspark.checkpoint.io import validate_checkpoint
-    from vllm_dspark.model.reference import count_parameters
+    from vllm_dspark.checkpoint.shapes import count_parameters
+    from vllm_dspark.serving.validate import in_progress_refusals, v1_runner_refusal
 
     report = validate_checkpoint(path, scan_values=scan_values)
     cfg = report.config
@@ -31,7 +32,12 @@ def inspect_checkpoint(path: str, *, scan_values: bool = True, target: str | Non
     if cfg is None:
         out.update(parameters=None, kv_cache_bytes_per_token=None)
         return out
+    refusal = v1_runner_refusal(cfg)
     out.update(
+        family=cfg.family,
+        architecture=cfg.architecture,
+        backbone=cfg.backbone,
+        v1_serving=[refusal] if refusal else in_progress_refusals(cfg),
         parameters=count_parameters(cfg),
         kv_cache_bytes_per_token=cfg.kv_cache_bytes_per_token(),
         hidden_size=cfg.hidden_size,
@@ -51,6 +57,8 @@ def inspect_checkpoint(path: str, *, scan_values: bool = True, target: str | Non
         mask_token_id=cfg.mask_token_id,
         markov_rank=cfg.markov_rank,
         markov_head_type=cfg.markov_head_type if cfg.has_markov_head else None,
+        draft_vocab_size=cfg.draft_vocab_size,
+        sliding_window=cfg.sliding_window,
         confidence_head=cfg.enable_confidence_head,
         confidence_head_with_markov=cfg.confidence_head_with_markov,
         rope=cfg.rope_type,
@@ -75,22 +83,26 @@ def _print_inspect(info: dict) -> None:
     print(f"DSpark drafter: {info['path']}")
     if info.get("parameters") is not None:
         lay = "anchor-first" if info["query_layout"] == "anchor_first" else "1 + N (older DFlash)"
-        print(f"  backbone        {info['num_hidden_layers']} layers, hidden {info['hidden_size']}, "
-              f"{info['num_attention_heads']} heads / {info['num_key_value_heads']} KV heads x {info['head_dim']}, "
-              f"MLP {info['intermediate_size']}")
+        print(f"  family          {info['family']} ({info['architecture']})")
+        print(f"  backbone        {info['backbone']}: {info['num_hidden_layers']} layers, "
+              f"hidden {info['hidden_size']}, {info['num_attention_heads']} heads / "
+              f"{info['num_key_value_heads']} KV heads x {info['head_dim']}, MLP {info['intermediate_size']}")
         print(f"  block           {info['block_size']} queries, {lay}: {info['draft_tokens_per_step']} drafts, "
               f"{info['verified_tokens_per_step']} verified tokens per step")
         of = info["num_target_layers"] if info["num_target_layers"] is not None else "? (not recorded)"
         print(f"  target layers   {info['target_layer_ids']} of {of} "
               f"(vLLM aux indices {info['vllm_aux_layer_ids']})")
-        print(f"  vocab           {info['vocab_size']} (mask token {info['mask_token_id']})")
+        dv = info["draft_vocab_size"]
+        drafted = f"draft vocabulary {dv} (d2t maps it to the target's)" if dv else "full (the target's)"
+        print(f"  vocab           {info['vocab_size']} (mask token {info['mask_token_id']}); drafts over: {drafted}")
         markov = f"rank {info['markov_rank']} ({info['markov_head_type']})" if info["markov_rank"] else "none"
         print(f"  Markov head     {markov}")
         conf = ("yes, with Markov input" if info["confidence_head_with_markov"] else "yes") \
             if info["confidence_head"] else "no"
         print(f"  confidence head {conf}")
+        window = f", window {info['sliding_window']}" if info["sliding_window"] else ""
         print(f"  RoPE            {info['rope']} (theta {info['rope_theta']:g}), trained context "
-              f"{info['max_position_embeddings']}")
+              f"{info['max_position_embeddings']}{window}")
         print(f"  parameters      {info['parameters']:,}")
         print(f"  draft KV cache  {info['kv_cache_bytes_per_token']:,} bytes per token ({info['dtype']})")
         if info.get("weights_file_bytes"):
@@ -98,6 +110,10 @@ def _print_inspect(info: dict) -> None:
         if "target" in info:
             t = info["target"]
             print(f"  target          {t.get('summary', '')}")
+        serving = info["v1_serving"]
+        print(f"  V1 runner       {'serves it' if not serving else 'does not serve it:'}")
+        for line in serving:
+            print(f"    - {line}")
     if info["problems"]:
         print(f"PROBLEMS ({len(info['problems'])}):")
         for p in info["problems"]:

@@ -8,7 +8,9 @@ it adds up, per GPU:
   norms and the confidence head replicated on every TP rank), on the last
   pipeline stage, where vLLM runs the proposer;
 * the drafter's KV cache: ``layers x kv_heads x head_dim x (K, V) x bytes`` per
-  context token, with KV heads split over TP; with and without a window on the
+  context token, with KV heads split over TP (an MLA drafter, ``K3DSparkModel``:
+  ``layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, the same on every TP
+  rank, like the target's MLA cache); with and without a window on the
   drafter's attention (default window: the drafter's trained context,
   ``max_position_embeddings``, 65,536 for the K3 drafter);
 * the target's attention cache: for a Kimi K3 / Kimi-Linear target, the MLA
@@ -51,8 +53,13 @@ KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 
                   "float32": 4}
 KDA_RECURRENT_BYTES = 4  # vLLM's default KDA recurrent state dtype is fp32 (kda_state_dtype, "auto")
 TP_SHARDED_SUFFIXES = ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.gate_proj.weight",
-                       "mlp.up_proj.weight", "mlp.down_proj.weight")
+                       "mlp.up_proj.weight", "mlp.down_proj.weight",
+                       # MLA: the up-projections and the output gate are split over heads; the down-projections
+                       # (q_a_proj, kv_a_proj_with_mqa) and their norms are replicated.
+                       "self_attn.q_b_proj.weight", "self_attn.kv_b_proj.weight", "self_attn.g_proj.weight")
 KV_PROJ_SUFFIXES = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
+# Vocabulary-parallel: split over TP like an LM head (a draft vocabulary's lm_head is the drafter's own).
+VOCAB_SHARDED = ("markov_head.markov_w2.weight", "lm_head.weight")
 
 
 def bundled_k3_paths() -> tuple[Path, Path]:
@@ -120,16 +127,18 @@ def _kv_heads_per_rank(kv_heads: int, tp: int) -> int:
 
 
 def drafter_weights(draft: DSparkConfig, tp: int) -> dict[str, int]:
-    """Parameter count and bytes of the drafter, total and on one TP rank."""
-    from vllm_dspark.model.reference import expected_tensor_shapes
+    """Parameter count and bytes of the drafter's own parameters, total and on one TP rank."""
+    from vllm_dspark.checkpoint.shapes import drafter_tensors
 
     nbytes = DTYPE_BYTES[draft.dtype]
     kv_share = _kv_heads_per_rank(draft.num_key_value_heads, tp) / draft.num_key_value_heads
     total = per_rank = 0.0
-    for name, shape in expected_tensor_shapes(draft).items():
-        n = math.prod(shape)
+    for name, spec in drafter_tensors(draft).items():
+        if not spec.parameter:
+            continue  # copies of the target's tensors, id maps and buffers
+        n = math.prod(spec.shape)
         total += n
-        if name.endswith(TP_SHARDED_SUFFIXES) or name == "markov_head.markov_w2.weight":
+        if name.endswith(TP_SHARDED_SUFFIXES) or name in VOCAB_SHARDED:
             per_rank += n / tp
         elif name.endswith(KV_PROJ_SUFFIXES):
             per_rank += n * kv_share
@@ -137,6 +146,24 @@ def drafter_weights(draft: DSparkConfig, tp: int) -> dict[str, int]:
             per_rank += n  # fc, markov_w1, norms, confidence head: replicated
     return {"parameters": int(total), "parameters_per_gpu": int(math.ceil(per_rank)),
             "bytes": int(total * nbytes), "bytes_per_gpu": int(math.ceil(per_rank * nbytes))}
+
+
+def drafter_kv_bytes_per_token(draft: DSparkConfig, kv_bytes: int, tp: int) -> tuple[int, int]:
+    """(bytes per context token over all draft layers, the same on one TP rank).
+
+    GQA: layers x kv_heads x head_dim x (K and V) x bytes, KV heads split over
+    TP (replicated when tp > kv_heads). MLA: one latent per token and layer,
+    ``layers x (kv_lora_rank + qk_rope_head_dim) x bytes``, which every head
+    reads, so every TP rank keeps all of it (K3DSparkModel: 5 x (512 + 64) x 2
+    = 5,760 B, against 5 x 16 x 64 x 2 x 2 = 20,480 B for the K3 GQA drafter).
+    """
+    layers = draft.num_hidden_layers
+    if draft.mla is not None:
+        per_token = layers * (draft.mla.kv_lora_rank + draft.mla.qk_rope_head_dim) * kv_bytes
+        return per_token, per_token
+    per_token = layers * draft.num_key_value_heads * draft.head_dim * 2 * kv_bytes
+    per_gpu = layers * _kv_heads_per_rank(draft.num_key_value_heads, tp) * draft.head_dim * 2 * kv_bytes
+    return per_token, per_gpu
 
 
 def _target_attention(tc: dict[str, Any], kv_bytes: int, tp: int, num_spec: int,
@@ -199,9 +226,7 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
 
     # ---------------- drafter
     w = drafter_weights(draft, inp.tp)
-    d_tok = draft.num_hidden_layers * draft.num_key_value_heads * draft.head_dim * 2 * kv_bytes
-    d_tok_gpu = (draft.num_hidden_layers * _kv_heads_per_rank(draft.num_key_value_heads, inp.tp)
-                 * draft.head_dim * 2 * kv_bytes)
+    d_tok, d_tok_gpu = drafter_kv_bytes_per_token(draft, kv_bytes, inp.tp)
     if inp.window is not None and inp.window <= 0:
         raise ValueError(f"--window: got {inp.window}, expected a positive token count (or 'off')")
     win_tokens = min(inp.context, inp.window) if inp.window else inp.context
@@ -230,6 +255,9 @@ def make_plan(draft: DSparkConfig, target: dict[str, Any], inp: PlanInputs) -> d
         "trained_context": draft.max_position_embeddings,
         "layers": draft.num_hidden_layers, "kv_heads": draft.num_key_value_heads,
         "head_dim": draft.head_dim,
+        "architecture": draft.architecture, "backbone": draft.backbone,
+        "mla_values_per_token_per_layer": (draft.mla.kv_lora_rank + draft.mla.qk_rope_head_dim
+                                           if draft.mla is not None else None),
     }
 
     # ---------------- target caches, per pipeline stage
@@ -304,12 +332,16 @@ def _explain(draft: DSparkConfig, t: dict[str, Any], inp: PlanInputs, win: int) 
               f"{draft.max_position_embeddings:,}, whenever the target serves longer) it holds {win:,} tokens; "
               "vLLM's KV-cache manager frees the blocks behind the window (sliding-window cache group)."
               if inp.window else "The window is off: the drafter's cache grows with the context.")
-    lines = [
-        f"drafter KV: {draft.num_hidden_layers} layers x {draft.num_key_value_heads} KV heads x "
-        f"{draft.head_dim} x (K and V) x {KV_DTYPE_BYTES[inp.kv_dtype]} bytes per context token. {window} "
-        f"KV heads split over TP ({_kv_heads_per_rank(draft.num_key_value_heads, inp.tp)} per GPU). It lives "
-        "on the last pipeline stage, where vLLM runs the proposer.",
-    ]
+    if draft.mla is not None:
+        kv = (f"drafter KV ({draft.architecture}, MLA): {draft.num_hidden_layers} layers x one latent of "
+              f"{draft.mla.kv_lora_rank} + {draft.mla.qk_rope_head_dim} values (kv_lora_rank + qk_rope_head_dim) "
+              f"x {KV_DTYPE_BYTES[inp.kv_dtype]} bytes per context token. {window} Every TP rank keeps the "
+              "whole latent.")
+    else:
+        kv = (f"drafter KV: {draft.num_hidden_layers} layers x {draft.num_key_value_heads} KV heads x "
+              f"{draft.head_dim} x (K and V) x {KV_DTYPE_BYTES[inp.kv_dtype]} bytes per context token. {window} "
+              f"KV heads split over TP ({_kv_heads_per_rank(draft.num_key_value_heads, inp.tp)} per GPU).")
+    lines = [f"{kv} It lives on the last pipeline stage, where vLLM runs the proposer."]
     if t["mla_layers"]:
         lines.append(
             f"target MLA cache: each of the {t['mla_layers']} MLA (full-attention) layers stores one "
