@@ -11,6 +11,8 @@ Stages (each resumes where a killed run stopped; outputs in --work-dir):
   set of the same kind for the loss curves;
 - ``generate``: multi-turn conversations answered by the target through vLLM,
   until each holds --seq-len tokens (75% greedy, 25% sampled at T = 1);
+- ``archive``: the conversations packed into ``--assets-dir/conversations/`` (committed:
+  a new machine restores them instead of regenerating; a partly generated set resumes);
 - ``capture``: the target's aux hidden states and final hidden state per token;
 - ``dspark``: the DSpark drafter (Markov head + confidence head);
 - ``dflash``: the DFlash-style ablation: same backbone, data, seed and steps,
@@ -33,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STAGES = ("prompts", "generate", "capture", "dspark", "dflash", "export")
+STAGES = ("prompts", "generate", "archive", "capture", "dspark", "dflash", "export")
 MASK_TOKEN_ID = 16  # <empty_output>: a special token chat never produces
 
 
@@ -50,6 +52,24 @@ def drafter_config(args, target_cfg, markov_rank: int):
         markov_rank=markov_rank, block_size=args.block)
     # The trained context is the training sequence length, not the target's 8,192.
     return cfg.replace(max_position_embeddings=args.seq_len)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 is emulated."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def target_dtype(args) -> str:
+    """The target's dtype for generation and capture. ``auto``: bf16 where the CPU has it natively,
+    else float32 (on an AVX2-only EPYC, vLLM generated 23 tok/s in bf16). The greedy answers of the
+    two differ only at near-ties; the record names the dtype used."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "bfloat16" if native_bf16() else "float32"
 
 
 def stage_prompts(args, work: Path) -> None:
@@ -74,16 +94,47 @@ def eval_conversations(work: Path) -> dict[str, list[dict]]:
 def stage_generate(args, work: Path) -> None:
     from dataclasses import replace
 
+    from vllm_dspark.tools.training.conversations import restore
     from vllm_dspark.tools.training.generate import GenerateArgs, generate
 
     gargs = GenerateArgs(target_tokens=args.gen_tokens, max_len=args.seq_len, seed=args.seed,
-                         max_num_seqs=args.gen_concurrency)
+                         max_num_seqs=args.gen_concurrency, dtype=target_dtype(args))
     for name, convs in eval_conversations(work).items():
+        restore(archive_path(args, name), work / name, log=log)
         generate(args.target, convs, work / name, replace(gargs, sampled_share=0.0, target_tokens=10**9), log=log)
+        archive_set(args, work, name)
     train = json.loads((work / "prompts.json").read_text())["train"]
+    restore(archive_path(args, "train_text"), work / "train_text", log=log)
     summary = generate(args.target, train, work / "train_text", gargs, log=log)
+    archive_set(args, work, "train_text")
     log(f"[generate] train: {summary['generated']:,} generated tokens at {summary['tokens_per_s']} tok/s")
     write_prompt_record(args, work)
+
+
+def archive_path(args, name: str) -> Path:
+    return args.assets_dir / "conversations" / f"{name}.npz"
+
+
+def archive_set(args, work: Path, name: str) -> None:
+    """Commit-ready copy of a set's conversations (``tools/training/conversations.py``)."""
+    from vllm_dspark.tools.training.conversations import pack, read_rows
+
+    rows = read_rows(work / name / "done.jsonl")  # the generator may still be appending: read only
+    if not rows:
+        return
+    summary_path = work / name / "summary.json"
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+    got = pack(rows, archive_path(args, name), summary)
+    log(f"[archive] {name}: {got['conversations']} conversations, {got['tokens']:,} tokens "
+        f"({archive_path(args, name).stat().st_size / 1e6:.1f} MB)")
+
+
+def stage_archive(args, work: Path) -> None:
+    """Pack every set generated so far, finished or not: the next machine resumes from the archive."""
+    from vllm_dspark.tools.training.conversations import SETS
+
+    for name in SETS:
+        archive_set(args, work, name)
 
 
 def write_prompt_record(args, work: Path) -> None:
@@ -109,13 +160,16 @@ EVAL_SETS = ("eval_sharegpt", "eval_chat", "eval_humaneval")
 
 
 def stage_capture(args, work: Path) -> None:
+    from vllm_dspark.tools.training.conversations import restore
     from vllm_dspark.tools.training.features import capture
     from vllm_dspark.tools.training.generate import read_done
 
     for name in (*EVAL_SETS, "train_text"):
+        restore(archive_path(args, name), work / name, log=log)  # a new machine: the committed answers
         rows = read_done(work / name / "done.jsonl")
         t0 = time.time()
-        fs = capture(args.target, rows, work / f"features_{name}", args.target_layer_ids, log=log)
+        fs = capture(args.target, rows, work / f"features_{name}", args.target_layer_ids, log=log,
+                     dtype=getattr(__import__("torch"), target_dtype(args)))
         log(f"[capture] {name}: {len(fs)} conversations, {int(fs.offsets[-1]):,} tokens "
             f"({fs.seconds / 60:.1f} min in all; {int(fs.offsets[-1]) / max(fs.seconds, 1e-9):.0f} tok/s)"
             if time.time() - t0 > 1 else f"[capture] {name}: on disk")
@@ -339,6 +393,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-heldout", type=int, default=96, help="ShareGPT conversations held out for the eval")
     ap.add_argument("--gen-tokens", type=int, default=1_300_000, help="target-generated training tokens")
     ap.add_argument("--gen-concurrency", type=int, default=128)
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                    help="the target's dtype in generate and capture (auto: bf16 only where the CPU has it)")
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--block", type=int, default=7)
     ap.add_argument("--draft-layers", type=int, default=2)

@@ -1,0 +1,65 @@
+"""The served-walk metric: the walk itself on hand-made hits, and its hits against the teacher-forced eval."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tests.training.test_trainer import _config, embed, features, target_dir  # noqa: F401 (fixtures)
+from vllm_dspark.tools.training.drafter import init_drafter
+from vllm_dspark.tools.training.served_walk import anchor_hits, answer_spans, served_walk, summarize, walk
+from vllm_dspark.tools.training.trainer import evaluate
+
+
+def test_answer_spans_are_the_runs_of_target_tokens():
+    assert answer_spans(np.array([0, 0, 1, 1, 1, 0, 1, 0, 1, 1])) == [(2, 5), (6, 7), (8, 10)]
+    assert answer_spans(np.zeros(4)) == []
+
+
+def test_the_walk_jumps_past_what_was_accepted():
+    hits = np.zeros((20, 3), dtype=bool)
+    hits[2] = [True, True, False]  # anchor 2: 2 accepted -> next anchor 5
+    hits[5] = [True, True, True]  # all 3 -> next anchor 9
+    hits[3] = [True, True, True]  # never visited: the walk skips anchor 3
+    steps = walk(hits, [(2, 12)])
+    # anchors 2, 5, 9, 10 (9 and 10 miss; 11 is the answer's last token: no draft after it)
+    assert steps == [2, 3, 0, 0]
+    s = summarize(steps, 3)
+    assert s["accept_len"] == 1 + 5 / 4
+    assert s["p_run_ge"] == [0.5, 0.5, 0.25]
+    assert walk(hits, [(5, 6)]) == []  # a one-token answer has nothing to draft
+
+
+def test_the_walk_restarts_at_every_answer():
+    hits = np.ones((30, 2), dtype=bool)
+    # (0, 7): anchors 0 and 3 (6 is the answer's last token); (10, 14): anchor 10 (13 is its last).
+    assert walk(hits, [(0, 7), (10, 14)]) == [2, 2, 2]
+
+
+def test_served_hits_equal_the_teacher_forced_blocks(features, target_dir, embed):  # noqa: F811
+    fs, _ = features
+    cfg = _config(target_dir)
+    model = init_drafter(cfg, seed=0).eval()
+    hits = anchor_hits(model, fs, 0, embed, embed, None)
+    gen = fs.gen[int(fs.offsets[0]):int(fs.offsets[1])]
+    anchors = [t for a, b in answer_spans(gen) for t in range(a, b - 1)]
+    pick = torch.tensor(anchors[::5])
+    tf = evaluate(model, fs, {0: pick}, embed, embed, None)
+    expect = hits[pick.numpy()]
+    assert tf["blocks"] == len(pick)
+    got_len = float(1 + np.cumprod(expect, axis=1).sum(1).mean())
+    assert abs(tf["tf_accept_len"] - round(got_len, 4)) < 1e-9
+    assert tf["acc_per_pos"] == [round(x, 4) for x in expect.mean(0).tolist()]
+
+
+def test_served_walk_reports_vllm_convention(features, target_dir, embed):  # noqa: F811
+    fs, _ = features
+    cfg = _config(target_dir)
+    model = init_drafter(cfg, seed=0)
+    r = served_walk(model, fs, embed, embed, None, max_tokens=60)
+    assert r["conversations"] == 2 and r["steps"] > 0
+    assert 1.0 <= r["accept_len"] <= 1 + cfg.block_size
+    p = r["p_run_ge"]
+    assert len(p) == cfg.block_size and all(p[i] >= p[i + 1] for i in range(len(p) - 1))
+    assert abs(r["accept_len"] - (1 + sum(p))) < 1e-3  # E[n] = sum_k P(n >= k)
+    assert model.training  # restored

@@ -1,0 +1,115 @@
+"""Acceptance as serving sees it: each held-out answer walked the way vLLM walks it.
+
+The teacher-forced metric (:func:`.trainer.evaluate`) averages over anchors drawn
+uniformly from the answers. Serving does not: at anchor ``t`` it drafts a block,
+the target accepts the longest prefix equal to its own argmax (``n`` drafts) and
+adds its bonus token, and the next draft starts at ``t + n + 1``. A run of easy
+tokens (a copied span) is accepted at many neighbouring anchors, so it counts
+many times in the uniform mean and once when served. This module reports what a
+greedy server with every draft verified (``verification: fixed``) would count.
+
+Why the walk can be computed offline, exactly: with greedy verification every
+accepted token is the target's own argmax, which on a greedy held-out answer is
+the answer's next token. So the context a draft at ``t`` reads is the answer's
+own prefix whatever the earlier drafts were, and the drafter's output at ``t``
+does not depend on the walk. The hits of every anchor of an answer are computed
+once, teacher-forced, in dense batches; the walk then only reads them. (The
+Markov head's previous token is the drafter's own pick in serving and the
+text's here; they agree on every position up to the first miss, which is all
+the accepted length reads.)
+
+Conventions, as vLLM's spec-decode metrics:
+
+* one step per draft block; its acceptance length is ``1 + n`` (``n`` accepted
+  drafts), so the mean is ``1 + accepted / drafts``;
+* ``p_run_ge`` [k - 1] = P(n >= k) = ``num_accepted_tokens_per_pos[k-1] / num_drafts``.
+
+Each answer (a maximal run of target-written tokens) is walked on its own: its
+first token came from the prompt's prefill, so the first draft anchors on it;
+the walk stops at the answer's last token (the end of the turn: no draft
+follows it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_dspark.model.reference import DSparkDraftModel
+
+
+def answer_spans(gen: np.ndarray) -> list[tuple[int, int]]:
+    """Maximal runs ``[a, b)`` of target-written tokens (``gen`` 1)."""
+    g = np.concatenate([[0], np.asarray(gen, dtype=np.int8), [0]])
+    edges = np.flatnonzero(np.diff(g))
+    return [(int(a), int(b)) for a, b in zip(edges[::2], edges[1::2], strict=True)]
+
+
+def walk(hits: np.ndarray, spans: Sequence[tuple[int, int]]) -> list[int]:
+    """Accepted drafts per step of a greedy server walking ``spans``.
+
+    ``hits`` [L, B] bool: ``hits[t, i]`` is True when the draft anchored at ``t``
+    is right at its position ``i`` (already False past the answer's end).
+    """
+    steps = []
+    for a, b in spans:
+        t = a
+        while t < b - 1:
+            row = hits[t]
+            n = int(np.argmin(row)) if not row.all() else len(row)
+            steps.append(n)
+            t += n + 1
+    return steps
+
+
+def summarize(steps: Sequence[int], block: int) -> dict:
+    """Mean acceptance length and P(run >= k), k = 1..block, in vLLM's convention."""
+    s = np.asarray(steps, dtype=np.int64)
+    if len(s) == 0:
+        return {"steps": 0, "accept_len": 1.0, "p_run_ge": [0.0] * block}
+    return {"steps": int(len(s)), "accept_len": round(float(1 + s.mean()), 4),
+            "p_run_ge": [round(float((s >= k).mean()), 4) for k in range(1, block + 1)]}
+
+
+@torch.no_grad()
+def anchor_hits(model: DSparkDraftModel, data, conv: int, embed: torch.Tensor, lm_head: torch.Tensor,
+                scale: torch.Tensor | None, *, use_markov: bool = True, chunk: int = 48) -> np.ndarray:
+    """[L, B] hits of a draft at every anchor of conversation ``conv`` that a walk can visit."""
+    from vllm_dspark.tools.training.trainer import _hidden, candidate_logits, make_blocks
+
+    b = model.config.block_size
+    length = data.length(conv)
+    gen = data.gen[int(data.offsets[conv]):int(data.offsets[conv + 1])]
+    anchors = torch.tensor([t for a, e in answer_spans(gen) for t in range(a, e - 1)], dtype=torch.int64)
+    hits = np.zeros((length, b), dtype=bool)
+    for s in range(0, len(anchors), chunk):
+        part = anchors[s:s + chunk]
+        blk = make_blocks(model.config, data, [conv], [part])
+        hidden = _hidden(model, blk, embed, scale)[0]
+        logits = candidate_logits(model, hidden, blk.prev_ids[0], lm_head, None, use_markov)
+        hit = (logits.argmax(-1) == blk.labels[0]) & blk.valid[0]
+        hits[part.numpy()] = hit.view(-1, b).numpy()
+    return hits
+
+
+def served_walk(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: torch.Tensor,
+                scale: torch.Tensor | None = None, *, max_tokens: int | None = None,
+                use_markov: bool = True) -> dict:
+    """The served-walk metric on a held-out :class:`FeatureSet`: conversations in order until
+    ``max_tokens`` (None: all). Returns :func:`summarize`'s dict plus the conversations and tokens read."""
+    was = model.training
+    model.eval()
+    steps: list[int] = []
+    convs = tokens = 0
+    for c in range(len(data)):
+        if max_tokens is not None and tokens >= max_tokens:
+            break
+        gen = data.gen[int(data.offsets[c]):int(data.offsets[c + 1])]
+        hits = anchor_hits(model, data, c, embed, lm_head, scale, use_markov=use_markov)
+        steps += walk(hits, answer_spans(gen))
+        convs += 1
+        tokens += data.length(c)
+    model.train(was)
+    return {**summarize(steps, model.config.block_size), "conversations": convs, "tokens": tokens}
