@@ -281,7 +281,7 @@ def _vocab_map_problems(path: Path, cfg: DSparkConfig, specs: dict[str, TensorSp
     """``d2t`` / ``t2d`` values against the target vocabulary (when both are present and well-shaped)."""
     if cfg.draft_vocab_size is None or "d2t" not in tensors:
         return []
-    names = [n for n in ("d2t", "t2d") if n in tensors and tensors[n].shape == specs[n].shape]
+    names: list[str] = [n for n in ("d2t", "t2d") if n in tensors and tensors[n].shape == specs[n].shape]
     if "d2t" not in names:
         return []
     maps = dict(iter_tensors(path, names=names))

@@ -76,7 +76,7 @@ def _gemma4_layer(cfg: DSparkConfig, i: int) -> dict[str, TensorSpec]:
     assert cfg.gemma4 is not None
     h, hd, b = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
-    p, t = f"layers.{i}", {}
+    p, t = f"layers.{i}", {}  # type: tuple[str, dict[str, TensorSpec]]
     projections = [("q_proj", q, h), ("k_proj", kv, h), ("o_proj", h, q)]
     if not cfg.gemma4.shared_kv_projection:
         projections.insert(2, ("v_proj", kv, h))

@@ -420,7 +420,7 @@ class DSparkConfig:
             "projector_type": self.projector_type,
             "target_layer_ids": list(self.target_layer_ids),
         }
-        window = {"layer_types": ["full_attention"] * self.num_hidden_layers, "sliding_window": None,
+        window: dict[str, Any] = {"layer_types": ["full_attention"] * self.num_hidden_layers, "sliding_window": None,
                   "use_sliding_window": False}
         if self.sliding_window is not None:
             window = {"layer_types": ["sliding_attention"] * self.num_hidden_layers,

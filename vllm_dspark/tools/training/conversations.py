@@ -24,6 +24,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ def pack(rows: Sequence[dict], path: str | Path, summary: dict | None = None) ->
         raise ValueError(f"token id {top} does not fit the archive's uint16 ids")
     kinds = sorted({str(r.get("kind", "chat")) for r in rows})
     spans = [np.asarray(r["gen_spans"], dtype=np.int32).reshape(-1, 2) for r in rows]
-    arrays = {
+    arrays: dict[str, Any] = {
         "ids": np.concatenate(ids).astype(np.uint16) if ids else np.zeros(0, np.uint16),
         "offsets": np.concatenate([[0], np.cumsum([len(x) for x in ids])]).astype(np.int64),
         "spans": np.concatenate(spans) if spans else np.zeros((0, 2), np.int32),
