@@ -95,7 +95,7 @@ def test_unknown_architecture_and_causal_exports_are_refused_by_name(tmp_path):
 def test_heads_and_draft_vocabularies_parse_but_wait_for_the_markov_stage(tmp_path, changes, needle):
     ckpt = save(tmp_path / "ckpt", tiny_config(**changes))
     msg = refusal(ckpt)
-    assert needle in msg and "Markov stage for it is in progress" in msg
+    assert needle in msg and "Markov stage does not serve it yet" in msg
     assert msg.count("\n  - ") == 1  # the checkpoint itself is valid: that is the only problem
 
 

@@ -60,7 +60,10 @@ def wrong_head(qwen_pair, prompts, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("wrong_head")
     bigram = (qwen_pair["bigram"] + 1) % VOCAB  # every draft token wrong
-    draft = make_drafter(root / "draft", qwen_pair["config"], mode="oracle", bigram=bigram, backbone_scale=0.05,
+    # The backbone silenced: with it live (0.05), its logits could move a draft off the wrong table
+    # onto the target's token by chance, and which anchors the timing-driven probes hit decides
+    # whether that happens (seen once under load: 1 token accepted).
+    draft = make_drafter(root / "draft", qwen_pair["config"], mode="oracle", bigram=bigram, backbone_scale=0.0,
                          seed=5)
     # The head says 0.9 whatever it sees: zero weights, bias logit(0.9).
     path = draft / "model.safetensors"

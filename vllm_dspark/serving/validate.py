@@ -65,7 +65,7 @@ def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
     The checkpoint side reads these drafters (families, tensors, id maps); the
     runners' Markov stage and loaders do not yet run them.
     """
-    waiting = "parses and validates, but the V1/V2 Markov stage for it is in progress (issue 30)"
+    waiting = "parses and validates, but the V1/V2 Markov stage does not serve it yet"
     out = []
     if cfg.markov_head_type != "vanilla":
         out.append(f"{cfg.key('markov_head_type')}: {cfg.markov_head_type!r}: a {cfg.markov_head_type} Markov "
@@ -76,7 +76,7 @@ def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
     if cfg.family in ("deepspec", "speculators"):
         out.append(f"a {cfg.family} checkpoint ({cfg.architecture}) parses and validates, but the V1 runner's "
                    "loader reads SpecForge exports (architectures DSparkDraftModel, knobs in dflash_config) only "
-                   f"so far (issue 30); {V2_RUNNER} reads this layout")
+                   f"so far; {V2_RUNNER} reads this layout")
     return out
 
 
