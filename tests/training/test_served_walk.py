@@ -63,3 +63,19 @@ def test_served_walk_reports_vllm_convention(features, target_dir, embed):  # no
     assert len(p) == cfg.block_size and all(p[i] >= p[i + 1] for i in range(len(p) - 1))
     assert abs(r["accept_len"] - (1 + sum(p))) < 1e-3  # E[n] = sum_k P(n >= k)
     assert model.training  # restored
+
+
+def test_training_evals_report_the_served_walk_and_log_full_vocabulary_steps(features, target_dir, embed,  # noqa: F811
+                                                                             tmp_path):
+    from vllm_dspark.tools.training.trainer import TrainArgs, eval_anchors, train
+
+    fs, _ = features
+    cfg = _config(target_dir)
+    sets = {"held": (fs, eval_anchors(fs, cfg.block_size, 8, seed=1))}
+    args = TrainArgs(steps=3, seqs_per_step=2, anchors_per_seq=3, eval_every=3, log_every=3, full_vocab_every=2)
+    rec = train(init_drafter(cfg, seed=0), embed, embed, fs, sets, args, tmp_path / "r", log=lambda *_: None)
+    logged = {r["step"]: r for r in rec["curve"]}
+    # Steps 0 and 2 (done 1 and 3) scored the whole vocabulary: both logged though log_every is 3.
+    assert logged[1]["full_vocab"] and logged[3]["full_vocab"]
+    served = logged[3]["eval"]["held"]["served"]
+    assert served["steps"] > 0 and 1.0 <= served["accept_len"] <= 1 + cfg.block_size

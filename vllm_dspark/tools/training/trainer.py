@@ -79,6 +79,7 @@ class TrainArgs:
     detach_confidence: bool = True
     ckpt_every_s: float = 300.0
     eval_every: int = 250
+    served_walk_tokens: int = 4096  # per eval set: the served walk over its first conversations (0: off)
     log_every: int = 10
     seed: int = 0
 
@@ -179,9 +180,22 @@ def aux_scale(data, n: int = 32, floor: float = 1e-2) -> torch.Tensor:
     return x.pow(2).mean(0).sqrt().clamp(min=floor)
 
 
+def bf16_autocast() -> bool:
+    """Whether training runs under bf16 autocast: only where oneDNN computes bf16 natively (AVX-512 or
+    AMX). On an AVX2-only CPU bf16 is emulated, slower than float32, so the trainer stays in float32."""
+    global _BF16
+    if _BF16 is None:
+        env = os.environ.get("VLLM_DSPARK_TRAIN_BF16")
+        _BF16 = env == "1" if env in ("0", "1") else bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _BF16
+
+
+_BF16: bool | None = None
+
+
 def _hidden(model: DSparkDraftModel, blocks: Blocks, embed: torch.Tensor, scale: torch.Tensor | None):
     aux = blocks.aux.float() if scale is None else blocks.aux.float() / scale
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast()):
         hidden = model.backbone(aux, blocks.ctx_positions, embed[blocks.query_ids], blocks.query_positions,
                                 blocks.mask)
     return hidden.float()
@@ -191,7 +205,7 @@ def candidate_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_ids: to
                      lm_head: torch.Tensor, cand: torch.Tensor | None, use_markov: bool = True) -> torch.Tensor:
     """Drafter logits [P, C] (fp32) over the candidate tokens ``cand`` (None: the whole vocabulary)."""
     w = lm_head if cand is None else lm_head[cand]
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast()):
         logits = hidden @ w.t()
         if use_markov and model.markov_head is not None:
             w2 = model.markov_head.markov_w2.weight
@@ -265,6 +279,18 @@ def evaluate(model: DSparkDraftModel, data, anchors: dict[int, torch.Tensor], em
     model.train(was)
     return {"blocks": len(hit), "acc_per_pos": [round(x, 4) for x in hit.mean(0).tolist()],
             "tf_accept_len": round(float(1 + hit.cumprod(1).sum(1).mean()), 4)}
+
+
+def eval_row(model: DSparkDraftModel, eval_sets: dict, embed, lm_head, scale, served_tokens: int) -> dict:
+    """Teacher-forced acceptance on each set's fixed anchors, and the served walk beside it."""
+    from vllm_dspark.tools.training.served_walk import served_walk
+
+    out = {}
+    for name, (ds, anc) in eval_sets.items():
+        out[name] = evaluate(model, ds, anc, embed, lm_head, scale)
+        if served_tokens > 0:
+            out[name]["served"] = served_walk(model, ds, embed, lm_head, scale, max_tokens=served_tokens)
+    return out
 
 
 def eval_anchors(data, block: int, min_blocks: int, seed: int) -> dict[int, torch.Tensor]:
@@ -353,16 +379,18 @@ def train(model: DSparkDraftModel, embed: torch.Tensor, lm_head: torch.Tensor, t
         done = step + 1
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}", tv=f"{m['tv']:.3f}")
-        if done % args.log_every == 0 or done == args.steps:
+        # Full-vocabulary steps are logged too (their loss is on another scale than a candidate step's).
+        if done % args.log_every == 0 or done == args.steps or full:
             el = time.time() - t0
             row = {"step": done, "lr": lr, "grad_norm": gnorm, "elapsed_s": round(el, 1), "blocks": blocks_seen,
-                   "blocks_per_s": round(blocks_seen / max(el, 1e-9), 1), **m}
+                   "blocks_per_s": round(blocks_seen / max(el, 1e-9), 1), "full_vocab": full, **m}
             if done % args.eval_every == 0 or done == args.steps:
-                row["eval"] = {name: evaluate(model, ds, anc, embed, lm_head, scale)
-                               for name, (ds, anc) in eval_sets.items()}
+                row["eval"] = eval_row(model, eval_sets, embed, lm_head, scale, args.served_walk_tokens)
                 log(f"[train] {work.name} step {done} ({el / 60:.0f} min, {row['blocks_per_s']} blocks/s): "
                     f"loss {m['loss']:.3f} tv {m['tv']:.3f} | eval tf_len "
-                    + ", ".join(f"{k} {v['tf_accept_len']:.2f}" for k, v in row["eval"].items()))
+                    + ", ".join(f"{k} {v['tf_accept_len']:.2f}" for k, v in row["eval"].items())
+                    + " | served " + ", ".join(f"{k} {v['served']['accept_len']:.2f}"
+                                               for k, v in row["eval"].items() if "served" in v))
             curve.append(row)
         if time.time() - last_ckpt > args.ckpt_every_s:
             save(done)
@@ -394,16 +422,24 @@ def plot_curves(records: dict[str, dict], out_png: str | Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for name, rec in records.items():
-        c = rec["curve"]
-        axes[0].plot([r["step"] for r in c], [r["loss"] for r in c], label=name)
-        axes[1].plot([r["step"] for r in c], [r["tv"] for r in c], label=name)
-        ev = [r for r in c if "eval" in r]
+        c = [r for r in rec["curve"] if not r.get("full_vocab")]
+        full = [r for r in rec["curve"] if r.get("full_vocab")]
+        for ax, key in ((axes[0], "loss"), (axes[1], "tv")):
+            ax.plot([r["step"] for r in c], [r[key] for r in c], label=f"{name} (candidate set)")
+            if full:
+                ax.plot([r["step"] for r in full], [r[key] for r in full], "x", ms=3,
+                        label=f"{name} (full vocabulary)")
+        ev = [r for r in rec["curve"] if "eval" in r]
         for set_name in (ev[0]["eval"] if ev else {}):
-            axes[2].plot([r["step"] for r in ev], [r["eval"][set_name]["tf_accept_len"] for r in ev], marker="o",
-                         label=f"{name} {set_name}")
+            line = axes[2].plot([r["step"] for r in ev], [r["eval"][set_name]["tf_accept_len"] for r in ev],
+                                marker="o", ls="--", label=f"{name} {set_name} teacher-forced")
+            served = [r for r in ev if "served" in r["eval"][set_name]]
+            if served:
+                axes[2].plot([r["step"] for r in served], [r["eval"][set_name]["served"]["accept_len"] for r in served],
+                             marker="s", color=line[0].get_color(), label=f"{name} {set_name} served walk")
     axes[0].set_title("training loss (0.9 L1 + 0.1 CE + 1.0 BCE)")
     axes[1].set_title("training TV distance to the target")
-    axes[2].set_title("held-out teacher-forced acceptance length")
+    axes[2].set_title("held-out acceptance length (served walk, teacher-forced)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
