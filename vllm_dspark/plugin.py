@@ -53,12 +53,35 @@ def register() -> None:
     else:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.v2.model:DSparkV2DraftModel")
+    _declare_env_vars()
     _install_cli_excepthook()
     share_vllm_logging()
     _state["pid"] = os.getpid()
     _state["vllm_version"] = version
     _registered = True
     logger.debug("vllm_dspark registered in pid %d (vLLM %s)", os.getpid(), version)
+
+
+# The plugin's own variables besides the settings table's (build, cache, test and process switches).
+OWN_ENV_VARS = ("VLLM_DSPARK_CACHE", "VLLM_DSPARK_NO_CUDA", "VLLM_DSPARK_NO_EXT", "VLLM_DSPARK_PRELOADED",
+                "VLLM_DSPARK_CHECKOUT_OR_WHEEL", "VLLM_DSPARK_TEST_DIVERGENCE", "VLLM_DSPARK_TRAIN_BF16")
+
+
+def env_var_names() -> list[str]:
+    """Every VLLM_DSPARK_* variable the plugin reads: the settings table's and ``OWN_ENV_VARS``."""
+    from vllm_dspark.serving.settings_table import SETTINGS
+
+    return sorted({s.env for s in SETTINGS if s.env} | set(OWN_ENV_VARS))
+
+
+def _declare_env_vars() -> None:
+    """Tell vLLM our variables are known: its start-up check warns about any VLLM_* name missing from
+    ``vllm.envs.environment_variables`` (one warning per variable and engine). A misspelt
+    VLLM_DSPARK_* name is still warned about."""
+    from vllm import envs
+
+    for name in env_var_names():
+        envs.environment_variables.setdefault(name, lambda name=name: os.environ.get(name))
 
 
 def _dspark_error(exc: BaseException) -> BaseException | None:
