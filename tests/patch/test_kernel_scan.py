@@ -49,3 +49,25 @@ def test_instance_dict_is_empty_for_a_fake_dict():
     assert instance_dict(ffi.lib) == {}
     ns = types.SimpleNamespace(kernel=1)
     assert instance_dict(ns) == {"kernel": 1}
+
+
+def test_the_scan_does_not_warn_about_torch_reduce_op():
+    import warnings
+
+    import torch.distributed  # noqa: F401  (its deprecated reduce_op is among the scanned names)
+    from vllm.triton_utils import dispatcher
+
+    from vllm_dspark.patch import triton_utils_dispatcher as fix
+
+    patch = fix.PATCH
+    was_applied = patch.applied
+    if not was_applied:
+        patch.apply()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dispatcher._rebind_kernels([])
+        assert not [w for w in caught if "reduce_op" in str(w.message)], [str(w.message) for w in caught]
+    finally:
+        if not was_applied:
+            patch.restore()

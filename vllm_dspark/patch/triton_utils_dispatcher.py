@@ -16,12 +16,16 @@ can be built: seen in the lockstep benchmark's second build.
 While ``_rebind_kernels`` runs, ``vars`` in its module resolves to
 :func:`instance_dict`, which gives an object's real instance dict, and an empty
 one where ``__dict__`` is not a mapping. Such an object holds no kernel, so
-nothing the scan should find is skipped.
+nothing the scan should find is skipped. The scan also touches
+``torch.distributed.reduce_op``, a deprecated object that warns on every
+attribute read (a FutureWarning per engine start, the user cannot act on it):
+that one warning is silenced while the scan runs, nothing else.
 """
 
 from __future__ import annotations
 
 import builtins
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -40,7 +44,10 @@ def _make_rebind(original):
         shadowed = g.get("vars", _MISSING)
         g["vars"] = instance_dict
         try:
-            return original(overrides)
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=r".*torch\.distributed\.reduce_op.* is deprecated",
+                                        category=FutureWarning)
+                return original(overrides)
         finally:
             if shadowed is _MISSING:
                 g.pop("vars", None)
