@@ -18,7 +18,10 @@ the assistant's turn (capped at ``--max-tokens``):
    be: the CPU GEMMs of M = 1 and M = 8 round differently and a near-tie can
    flip. bf16 at batch >= 16 is identical; the tests check both.)
 
-vLLM's INFO logs are quiet unless ``--verbose``. The CPU set-up vLLM recommends
+Unless ``--verbose``, the demo prints its own lines only: it runs itself as a child whose
+output goes through ``vllm_dspark/tools/quiet.py`` (vLLM's and torch's warnings that a user
+cannot act on are hidden, and counted in one closing line; failures and the plugin's own
+lines always show), and vLLM's INFO logs are off. The CPU set-up vLLM recommends
 (tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/tools/bench/cpu_setup.py``) is on
 unless ``--no-cpu-setup``.
 """
@@ -32,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+CHILD = "VLLM_DSPARK_DEMO_CHILD"  # set in the filtered child run
 
 
 def main() -> int:
@@ -46,6 +50,10 @@ def main() -> int:
     cpu_setup.add_flag(ap)
     ap.add_argument("--verbose", action="store_true", help="show vLLM's INFO logs")
     args = ap.parse_args()
+    if not args.verbose and os.environ.get(CHILD) != "1":
+        from vllm_dspark.tools.quiet import run_filtered
+
+        return run_filtered([sys.executable, str(Path(__file__).resolve()), *sys.argv[1:]], env={CHILD: "1"})
     cpu_setup.reexec_with(not args.no_cpu_setup)
     if not args.verbose:
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

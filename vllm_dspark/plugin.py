@@ -64,7 +64,8 @@ def register() -> None:
 
 # The plugin's own variables besides the settings table's (build, cache, test and process switches).
 OWN_ENV_VARS = ("VLLM_DSPARK_CACHE", "VLLM_DSPARK_NO_CUDA", "VLLM_DSPARK_NO_EXT", "VLLM_DSPARK_PRELOADED",
-                "VLLM_DSPARK_CHECKOUT_OR_WHEEL", "VLLM_DSPARK_TEST_DIVERGENCE", "VLLM_DSPARK_TRAIN_BF16")
+                "VLLM_DSPARK_CHECKOUT_OR_WHEEL", "VLLM_DSPARK_TEST_DIVERGENCE", "VLLM_DSPARK_TRAIN_BF16",
+                "VLLM_DSPARK_DEMO_CHILD")
 
 
 def env_var_names() -> list[str]:

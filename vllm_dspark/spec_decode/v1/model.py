@@ -110,7 +110,8 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         self._install_exact_rotary(hf_config)
         reason = _grouped_rms_norm_broken()
         if reason is not None:
-            logger.warning("vllm_dspark: %s; normalising the context keys of each draft layer in PyTorch", reason)
+            # Expected on vLLM's CPU backend: a workaround the user cannot act on, so not a warning.
+            logger.info("vllm_dspark: %s; normalising the context keys of each draft layer in PyTorch", reason)
             self.model._normalize_context_k = types.MethodType(_normalize_context_k_per_layer, self.model)
 
     def _install_exact_rotary(self, hf_config) -> None:
