@@ -65,13 +65,10 @@ def child(dtype: str) -> dict:
 
 
 def cpu() -> str:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "?")
-    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in info]
-    return f"{os.cpu_count()} cores, {name}, flags: {' '.join(flags) or 'none of avx2/avx512/amx'}"
+    from vllm_dspark.tools.bench.cpu_setup import describe
+
+    m = describe()
+    return f"{m['cores']} cores, {m['cpu']}, flags: {' '.join(m['flags']) or 'none of avx2/avx512/amx'}"
 
 
 def run_tree(path: Path, dtype: str) -> dict:

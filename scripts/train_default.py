@@ -54,22 +54,15 @@ def drafter_config(args, target_cfg, markov_rank: int):
     return cfg.replace(max_position_embeddings=args.seq_len)
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bf16 natively (AVX-512 BF16 or AMX); without it bf16 is emulated."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
 def target_dtype(args) -> str:
     """The target's dtype for generation and capture. ``auto``: bf16 where the CPU has it natively,
     else float32 (on an AVX2-only EPYC, vLLM generated 23 tok/s in bf16). The greedy answers of the
     two differ only at near-ties; the record names the dtype used."""
     if args.dtype != "auto":
         return args.dtype
-    return "bfloat16" if native_bf16() else "float32"
+    from vllm_dspark.tools.bench.cpu_setup import describe
+
+    return "bfloat16" if describe()["native_bf16"] else "float32"
 
 
 def stage_prompts(args, work: Path) -> None:
@@ -160,6 +153,8 @@ EVAL_SETS = ("eval_sharegpt", "eval_chat", "eval_humaneval")
 
 
 def stage_capture(args, work: Path) -> None:
+    import torch
+
     from vllm_dspark.tools.training.conversations import restore
     from vllm_dspark.tools.training.features import capture
     from vllm_dspark.tools.training.generate import read_done
@@ -169,7 +164,7 @@ def stage_capture(args, work: Path) -> None:
         rows = read_done(work / name / "done.jsonl")
         t0 = time.time()
         fs = capture(args.target, rows, work / f"features_{name}", args.target_layer_ids, log=log,
-                     dtype=getattr(__import__("torch"), target_dtype(args)))
+                     dtype=getattr(torch, target_dtype(args)))
         log(f"[capture] {name}: {len(fs)} conversations, {int(fs.offsets[-1]):,} tokens "
             f"({fs.seconds / 60:.1f} min in all; {int(fs.offsets[-1]) / max(fs.seconds, 1e-9):.0f} tok/s)"
             if time.time() - t0 > 1 else f"[capture] {name}: on disk")

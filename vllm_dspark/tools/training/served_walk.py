@@ -77,20 +77,16 @@ def summarize(steps: Sequence[int], block: int) -> dict:
 def anchor_hits(model: DSparkDraftModel, data, conv: int, embed: torch.Tensor, lm_head: torch.Tensor,
                 scale: torch.Tensor | None, *, use_markov: bool = True, chunk: int = 48) -> np.ndarray:
     """[L, B] hits of a draft at every anchor of conversation ``conv`` that a walk can visit."""
-    from vllm_dspark.tools.training.trainer import _hidden, candidate_logits, make_blocks
+    from vllm_dspark.tools.training.trainer import block_hits
 
-    b = model.config.block_size
     length = data.length(conv)
     gen = data.gen[int(data.offsets[conv]):int(data.offsets[conv + 1])]
     anchors = torch.tensor([t for a, e in answer_spans(gen) for t in range(a, e - 1)], dtype=torch.int64)
-    hits = np.zeros((length, b), dtype=bool)
+    hits = np.zeros((length, model.config.block_size), dtype=bool)
     for s in range(0, len(anchors), chunk):
         part = anchors[s:s + chunk]
-        blk = make_blocks(model.config, data, [conv], [part])
-        hidden = _hidden(model, blk, embed, scale)[0]
-        logits = candidate_logits(model, hidden, blk.prev_ids[0], lm_head, None, use_markov)
-        hit = (logits.argmax(-1) == blk.labels[0]) & blk.valid[0]
-        hits[part.numpy()] = hit.view(-1, b).numpy()
+        hits[part.numpy()] = block_hits(model, data, conv, part, embed, lm_head, scale,
+                                        use_markov=use_markov).numpy()
     return hits
 
 

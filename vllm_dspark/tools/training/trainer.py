@@ -255,6 +255,18 @@ def block_loss(model: DSparkDraftModel, blocks: Blocks, embed: torch.Tensor, lm_
 
 
 @torch.no_grad()
+def block_hits(model: DSparkDraftModel, data, conv: int, anchors: torch.Tensor, embed, lm_head,
+               scale: torch.Tensor | None, *, window: int | None = None, use_markov: bool = True) -> torch.Tensor:
+    """[K, B] bool: whether the draft at each of ``anchors`` (of conversation ``conv``) is right at each
+    position (the drafter's full-vocabulary argmax equals the target's, on a target-written label)."""
+    blk = make_blocks(model.config, data, [conv], [anchors], window=window)
+    hidden = _hidden(model, blk, embed, scale)[0]
+    logits = candidate_logits(model, hidden, blk.prev_ids[0], lm_head, None, use_markov)
+    hit = (logits.argmax(-1) == blk.labels[0]) & blk.valid[0]
+    return hit.view(-1, model.config.block_size)
+
+
+@torch.no_grad()
 def evaluate(model: DSparkDraftModel, data, anchors: dict[int, torch.Tensor], embed, lm_head,
              scale: torch.Tensor | None, *, window: int | None = None, use_markov: bool = True,
              chunk: int = 48) -> dict:
@@ -265,16 +277,9 @@ def evaluate(model: DSparkDraftModel, data, anchors: dict[int, torch.Tensor], em
     """
     was = model.training
     model.eval()
-    b = model.config.block_size
-    hits = []
-    for conv, anc in anchors.items():
-        for s in range(0, len(anc), chunk):
-            part = anc[s:s + chunk]
-            blk = make_blocks(model.config, data, [conv], [part], window=window)
-            hidden = _hidden(model, blk, embed, scale)[0]
-            logits = candidate_logits(model, hidden, blk.prev_ids[0], lm_head, None, use_markov)
-            hit = (logits.argmax(-1) == blk.labels[0]) & blk.valid[0]
-            hits.append(hit.float().view(-1, b))
+    hits = [block_hits(model, data, conv, anc[s:s + chunk], embed, lm_head, scale, window=window,
+                       use_markov=use_markov).float()
+            for conv, anc in anchors.items() for s in range(0, len(anc), chunk)]
     hit = torch.cat(hits)
     model.train(was)
     return {"blocks": len(hit), "acc_per_pos": [round(x, 4) for x in hit.mean(0).tolist()],
