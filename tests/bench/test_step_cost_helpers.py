@@ -2,8 +2,8 @@
 
 import math
 
+from vllm_dspark.tools.bench.step_common import classify_op
 from vllm_dspark.tools.bench.step_cost import (
-    classify_op,
     interleaved,
     linear_slope,
     ratio_summary,
@@ -109,7 +109,7 @@ def test_lockstep_closes_the_opened_cells_when_a_step_fails():
 
 
 def test_run_until_counts_only_steps_of_the_cells_shape():
-    from vllm_dspark.tools.bench.step_cost import run_until
+    from vllm_dspark.tools.bench.step_common import run_until
 
     seq = iter([0.0, 0.2, 0.0, 0.2, 0.2])
     assert run_until(lambda: next(seq), min_seconds=0.3, min_steps=2, max_steps=10) == 4
@@ -138,7 +138,8 @@ def test_lockstep_pauses_before_every_step():
 def test_pair_order_names_each_engine_once_and_the_floor_at_most_once():
     import pytest
 
-    from vllm_dspark.tools.bench.step_cost import EngineSpec, PairServer
+    from vllm_dspark.tools.bench.step_common import EngineSpec
+    from vllm_dspark.tools.bench.step_cost import PairServer
 
     for order in (("plain",), ("plain", "plain"), ("plain", "spec", "floor", "floor"), ("plain", "spec", "hf")):
         with pytest.raises(ValueError, match="order must name"):

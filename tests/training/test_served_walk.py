@@ -8,7 +8,7 @@ import torch
 from tests.training.test_trainer import _config, embed, features, target_dir  # noqa: F401 (fixtures)
 from vllm_dspark.tools.training.drafter import init_drafter
 from vllm_dspark.tools.training.served_walk import anchor_hits, answer_spans, served_walk, summarize, walk
-from vllm_dspark.tools.training.trainer import evaluate
+from vllm_dspark.tools.training.trainer import block_hits, evaluate
 
 
 def test_answer_spans_are_the_runs_of_target_tokens():
@@ -40,7 +40,7 @@ def test_served_hits_equal_the_teacher_forced_blocks(features, target_dir, embed
     fs, _ = features
     cfg = _config(target_dir)
     model = init_drafter(cfg, seed=0).eval()
-    hits = anchor_hits(model, fs, 0, embed, embed, None)
+    hits = anchor_hits(model, fs, 0, embed, embed, None, block_hits=block_hits)
     gen = fs.gen[int(fs.offsets[0]):int(fs.offsets[1])]
     anchors = [t for a, b in answer_spans(gen) for t in range(a, b - 1)]
     pick = torch.tensor(anchors[::5])
@@ -56,7 +56,7 @@ def test_served_walk_reports_vllm_convention(features, target_dir, embed):  # no
     fs, _ = features
     cfg = _config(target_dir)
     model = init_drafter(cfg, seed=0)
-    r = served_walk(model, fs, embed, embed, None, max_tokens=60)
+    r = served_walk(model, fs, embed, embed, None, block_hits=block_hits, max_tokens=60)
     assert r["conversations"] == 2 and r["steps"] > 0
     assert 1.0 <= r["accept_len"] <= 1 + cfg.block_size
     p = r["p_run_ge"]

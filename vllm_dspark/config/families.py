@@ -44,7 +44,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_dspark.config import Gemma4Shape, MLAShape
+from vllm_dspark.config.shapes import Gemma4Shape, MLAShape
 
 SPECFORGE_ARCHITECTURES = ("DSparkDraftModel", "DFlashDraftModel")
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"

@@ -40,7 +40,6 @@ import dataclasses
 import math
 import os
 import platform
-import random
 import statistics
 import subprocess
 import time
@@ -48,6 +47,9 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from vllm_dspark.tools.bench.step_common import EngineSpec, classify_op, random_prompts, run_until, typical_mean
+from vllm_dspark.tools.bench.step_floor import FloorServer
 
 # ------------------------------------------------------------------ pure helpers
 
@@ -81,39 +83,9 @@ def spread_allows(summary: dict | None, goal: float) -> str:
     return "within noise"
 
 
-GEMM_OPS = ("onednn_mm", "aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn",
-            "onednn_scaled_mm", "aten::_weight_int8pack_mm", "gemm")
-ATTN_OPS = ("attention", "attn", "reshape_and_cache", "scaled_dot_product", "flash")
-
-
-def classify_op(name: str) -> str:
-    """Operator class of a profiler event name: ``gemm``, ``attention``, ``rope`` or ``elementwise``."""
-    n = name.lower()
-    if any(k in n for k in GEMM_OPS):
-        return "gemm"
-    if any(k in n for k in ATTN_OPS):
-        return "attention"
-    if "rotary" in n or "rope" in n:
-        return "rope"
-    return "elementwise"
-
-
 def interleaved(cells: Sequence[Any], repeats: int) -> list[tuple[int, Any]]:
     """(repeat, cell) in the order A B C A B C ... (every cell once per round, rounds in sequence)."""
     return [(r, c) for r in range(repeats) for c in cells]
-
-
-def run_until(step: Callable[[], float], min_seconds: float, min_steps: int, max_steps: int) -> int:
-    """Call ``step`` (seconds of a counted step, 0.0 for one not counted) until the counted steps last
-    ``min_seconds`` and number ``min_steps``, or ``max_steps`` calls were made; the number of calls."""
-    elapsed, counted, calls = 0.0, 0, 0
-    while (elapsed < min_seconds or counted < min_steps) and calls < max_steps:
-        calls += 1
-        dt = step()
-        if dt > 0.0:
-            elapsed += dt
-            counted += 1
-    return calls
 
 
 def position_bias(step_s: Sequence[float]) -> float:
@@ -164,20 +136,6 @@ def linear_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     my = sum(p[1] for p in pts) / len(pts)
     den = sum((p[0] - mx) ** 2 for p in pts)
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else 0.0
-
-
-def typical_mean(per_step: Sequence[dict], times: Sequence[float], slack: float = 1.3) -> dict:
-    """Mean of per-step dicts over the typical steps: those no slower than ``slack`` x the median step.
-
-    A step stalled by another process (a descheduled OpenMP thread costs a whole time slice)
-    would otherwise move the mean of every phase; the cell's own value is the median step.
-    """
-    if not per_step:
-        return {}
-    med = statistics.median(times)
-    keep = [p for p, t in zip(per_step, times) if t <= slack * med] or list(per_step)
-    keys = sorted({k for p in keep for k in p})
-    return {k: statistics.mean(p.get(k, 0.0) for p in keep) for k in keys}
 
 
 def step_phases(t: dict) -> dict:
@@ -361,21 +319,6 @@ class Timers:
 # ------------------------------------------------------------------ worker processes
 
 
-@dataclasses.dataclass
-class EngineSpec:
-    kind: str  # "plain" | "spec" | "floor"
-    target: str
-    draft: str | None
-    dtype: str
-    max_num_seqs: int = 32
-    max_model_len: int = 2048
-    kv_space_gib: int = 4
-    threads: int | None = None
-    # kind "pair": the plain and the speculative engine in one process, built in this order, the
-    # second reading the first's target weights (PairServer).
-    order: tuple[str, ...] = ("plain", "spec")
-
-
 def _serve(conn, spec: EngineSpec, env: dict) -> None:
     """Child process main: build the engine (or the floor), then answer commands until "quit"."""
     import threading
@@ -390,8 +333,6 @@ def _serve(conn, spec: EngineSpec, env: dict) -> None:
                 os._exit(3)
     threading.Thread(target=orphan_watch, daemon=True, name="orphan-watch").start()
     try:
-        from vllm_dspark.tools.bench.step_floor import FloorServer
-
         server: Any = {"floor": FloorServer, "pair": PairServer}.get(spec.kind, EngineServer)(spec)
         conn.send(("ok", server.info()))
     except Exception:  # noqa: BLE001 - reported to the parent
@@ -424,8 +365,7 @@ class PairServer:
     """
 
     def __init__(self, spec: EngineSpec):
-        from vllm_dspark.tools.bench.shared_weights import share_weights, target_model
-        from vllm_dspark.tools.bench.step_floor import FloorServer
+        from vllm_dspark.tools.bench.shared_weights import share_weights, target_model  # imports torch
 
         if sorted(n for n in spec.order if n != "floor") != ["plain", "spec"] or spec.order.count("floor") > 1:
             raise ValueError(f"PairServer: order must name 'plain' and 'spec' once each (and 'floor' at most once), "
@@ -557,12 +497,6 @@ def run_lockstep(cells: Sequence[tuple[Any, dict]], min_seconds: float, min_step
     finally:
         results = [w.call("close_cell") for w in opened]
     return results, rounds
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """Distinct random token sequences (token values do not change a step's cost)."""
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(n)]
 
 
 class EngineServer:

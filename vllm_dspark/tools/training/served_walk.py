@@ -32,7 +32,7 @@ follows it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -75,10 +75,12 @@ def summarize(steps: Sequence[int], block: int) -> dict:
 
 @torch.no_grad()
 def anchor_hits(model: DSparkDraftModel, data, conv: int, embed: torch.Tensor, lm_head: torch.Tensor,
-                scale: torch.Tensor | None, *, use_markov: bool = True, chunk: int = 48) -> np.ndarray:
-    """[L, B] hits of a draft at every anchor of conversation ``conv`` that a walk can visit."""
-    from vllm_dspark.tools.training.trainer import block_hits
+                scale: torch.Tensor | None, *, block_hits: Callable[..., torch.Tensor], use_markov: bool = True,
+                chunk: int = 48) -> np.ndarray:
+    """[L, B] hits of a draft at every anchor of conversation ``conv`` that a walk can visit.
 
+    ``block_hits`` is the trainer's (``trainer.block_hits``, the teacher-forced eval's own hit
+    computation), passed in so that this module and the trainer do not import each other."""
     length = data.length(conv)
     gen = data.gen[int(data.offsets[conv]):int(data.offsets[conv + 1])]
     anchors = torch.tensor([t for a, e in answer_spans(gen) for t in range(a, e - 1)], dtype=torch.int64)
@@ -91,8 +93,8 @@ def anchor_hits(model: DSparkDraftModel, data, conv: int, embed: torch.Tensor, l
 
 
 def served_walk(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: torch.Tensor,
-                scale: torch.Tensor | None = None, *, max_tokens: int | None = None,
-                use_markov: bool = True) -> dict:
+                scale: torch.Tensor | None = None, *, block_hits: Callable[..., torch.Tensor],
+                max_tokens: int | None = None, use_markov: bool = True) -> dict:
     """The served-walk metric on a held-out :class:`FeatureSet`: conversations in order until
     ``max_tokens`` (None: all). Returns :func:`summarize`'s dict plus the conversations and tokens read."""
     was = model.training
@@ -103,7 +105,7 @@ def served_walk(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: tor
         if max_tokens is not None and tokens >= max_tokens:
             break
         gen = data.gen[int(data.offsets[c]):int(data.offsets[c + 1])]
-        hits = anchor_hits(model, data, c, embed, lm_head, scale, use_markov=use_markov)
+        hits = anchor_hits(model, data, c, embed, lm_head, scale, block_hits=block_hits, use_markov=use_markov)
         steps += walk(hits, answer_spans(gen))
         convs += 1
         tokens += data.length(c)

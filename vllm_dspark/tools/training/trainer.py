@@ -294,7 +294,8 @@ def eval_row(model: DSparkDraftModel, eval_sets: dict, embed, lm_head, scale, se
     for name, (ds, anc) in eval_sets.items():
         out[name] = evaluate(model, ds, anc, embed, lm_head, scale)
         if served_tokens > 0:
-            out[name]["served"] = served_walk(model, ds, embed, lm_head, scale, max_tokens=served_tokens)
+            out[name]["served"] = served_walk(model, ds, embed, lm_head, scale, block_hits=block_hits,
+                                              max_tokens=served_tokens)
     return out
 
 
