@@ -8,7 +8,9 @@ Nothing of the libraries is edited; ``--verbose`` in the demo bypasses all of it
 
 Kept always: the command's own lines, the plugin's own log lines (``vllm_dspark: ...``), and
 anything that looks like a failure (a traceback, an exception, ``ERROR``), so that a run that
-goes wrong still says why.
+goes wrong still says why. A log record is judged by its level: a ``WARNING`` record whose
+message quotes an exception (vLLM's oneDNN fallback does) is still a warning. A hidden warning
+that bears on the result is summarised once, in the closing line (:data:`_SUMMARIES`).
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ from collections.abc import Iterable, Sequence
 _FAILURE = re.compile(r"Traceback|Error\b|Exception\b|\bERROR\b|FAILED")
 # Log records at WARNING from vLLM, Ray and the plugin's shared handler: "(EngineCore pid=1) WARNING 12-03 ...".
 _LOG_WARNING = re.compile(r"\bWARNING\b( \d\d-\d\d)?")
+_LOG_RECORD_WARNING = re.compile(r"^(\(\w+ pid=\d+\) )?WARNING \d\d-\d\d ")
 # Python's warnings module: "path.py:12: FutureWarning: ..." (its next line echoes the source).
 _PY_WARNING = re.compile(r"^\s*\S+:\d+: \w*Warning: ")
 _NOISE = (re.compile(r"^Triton is installed, but doesn't include CPU backend"),  # vLLM's import-time print
-          re.compile(r"^\[W\d{4} "))  # torch's C++ warnings ("[W1203 09:12:00.000 ...]")
+          re.compile(r"^\[W\d{4} "),  # torch's C++ warnings ("[W1203 09:12:00.000 ...]")
+          re.compile(r"^(\(\w+ pid=\d+\) )?Loading safetensors checkpoint shards:"))  # vLLM's loader bar
+# Hidden warnings that bear on the result: one line each in the closing summary, however often seen.
+_SUMMARIES = ((re.compile(r"Failed to create oneDNN linear, fallback to torch linear"),
+               "bf16 matmuls ran on torch's fallback, not oneDNN (no native bf16 on this CPU)"),)
 
 
 class OutputFilter:
@@ -34,12 +41,28 @@ class OutputFilter:
 
     def __init__(self) -> None:
         self.hidden = 0
+        self.notes: list[str] = []  # summaries of hidden warnings that bear on the result, in order seen
         self._echo = False  # the line after a Python warning echoes its source: hide it too
+        self._after_hidden = False  # a blank line right after a hidden one is the library's, too
 
     def keep(self, line: str) -> bool:
+        hidden_before, self._after_hidden = self._after_hidden, False
+        keep = self._keep(line, hidden_before)
+        self._after_hidden = not keep
+        return keep
+
+    def _keep(self, line: str, hidden_before: bool) -> bool:
         echo, self._echo = self._echo, False
-        if _FAILURE.search(line) or "vllm_dspark:" in line:  # the plugin's own warnings are for the user
+        if "vllm_dspark:" in line:  # the plugin's own warnings are for the user
             return True
+        if _LOG_RECORD_WARNING.search(line) and "Traceback" not in line:
+            self._note(line)
+            self.hidden += 1
+            return False
+        if _FAILURE.search(line):
+            return True
+        if hidden_before and not line.strip():
+            return False
         if echo and line[:1].isspace():
             self.hidden += 1
             return False
@@ -52,8 +75,19 @@ class OutputFilter:
             return False
         return True
 
+    def _note(self, line: str) -> None:
+        for pattern, note in _SUMMARIES:
+            if pattern.search(line) and note not in self.notes:
+                self.notes.append(note)
+
     def lines(self, source: Iterable[str]) -> Iterable[str]:
         return (line for line in source if self.keep(line))
+
+    def closing_line(self) -> str | None:
+        if not self.hidden:
+            return None
+        notes = "".join(f"; {n}" for n in self.notes)
+        return f"({self.hidden} lines of library warnings hidden{notes}; --verbose shows them)\n"
 
 
 def run_filtered(cmd: Sequence[str], env: dict | None = None, out=None) -> int:
@@ -72,6 +106,7 @@ def run_filtered(cmd: Sequence[str], env: dict | None = None, out=None) -> int:
         proc.terminate()
         raise
     code = proc.wait()
-    if flt.hidden:
-        out.write(f"({flt.hidden} lines of library warnings hidden; --verbose shows them)\n")
+    closing = flt.closing_line()
+    if closing:
+        out.write(closing)
     return code
