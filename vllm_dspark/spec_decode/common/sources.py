@@ -5,3 +5,4 @@ calibration and costs by source without importing torch.
 """
 
 MODEL_SOURCE = "dspark"  # the drafter's own drafts (the Markov stage)
+COPY_SOURCE = "copy"  # continuations copied from the request's own text (copy_source.py)
