@@ -150,6 +150,16 @@ DSPARK_HD float bias_bound(float w2_norm, float scale) {
 }
 
 // ---------------------------------------------------------------------------
+// Draft vocabulary (reference: markov_recurrence's `prev = tok + d2t[tok]`).
+// The next position's markov_w1 row is the drafted token's TARGET id. The sum
+// wraps modulo 2^64 like torch's int64 add instead of being undefined on a
+// garbage offset; the caller's range check then gives such an id no embedding.
+// ---------------------------------------------------------------------------
+DSPARK_HD int64_t draft_to_target(int64_t draft_id, int64_t offset) {
+  return static_cast<int64_t>(static_cast<uint64_t>(draft_id) + static_cast<uint64_t>(offset));
+}
+
+// ---------------------------------------------------------------------------
 // Confidence (reference: sigmoid in fp64, returned as fp32).
 // ---------------------------------------------------------------------------
 DSPARK_HD float confidence(double z) {

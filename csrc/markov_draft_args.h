@@ -11,7 +11,8 @@ namespace dspark {
 struct MarkovShapes {
   int64_t num_reqs;  // R
   int64_t block;     // B
-  int64_t vocab;     // V
+  int64_t vocab;     // V: the scored (draft) vocabulary, rows of markov_w2
+  int64_t w1_rows;   // rows of markov_w1 (== V without d2t; the target vocabulary with it)
   int64_t rank;      // r
 };
 
@@ -22,14 +23,26 @@ inline MarkovShapes check_markov_args(
     const std::optional<at::Tensor>& conf_w_markov, const at::Tensor& temperature,
     const at::Tensor& seeds, const at::Tensor& out_tokens, const at::Tensor& out_conf,
     const std::optional<at::Tensor>& out_logits,
-    const std::optional<at::Tensor>& out_stats, const std::optional<at::Tensor>& max_norms) {
+    const std::optional<at::Tensor>& out_stats, const std::optional<at::Tensor>& max_norms,
+    const std::optional<at::Tensor>& d2t) {
   TORCH_CHECK(base_logits.dim() == 3, "markov_draft: base_logits must be [R, B, V], got ",
               base_logits.sizes());
   const int64_t R = base_logits.size(0), B = base_logits.size(1), V = base_logits.size(2);
-  TORCH_CHECK(markov_w1.dim() == 2 && markov_w2.dim() == 2 &&
-                  markov_w1.sizes() == markov_w2.sizes(),
-              "markov_draft: markov_w1 and markov_w2 must both be [V, rank], got ",
-              markov_w1.sizes(), " and ", markov_w2.sizes());
+  // Without d2t the previous token is a row of markov_w1 as drafted, so both
+  // weights span the one vocabulary. With it markov_w1 is indexed by target ids
+  // and may have any number of rows; only the rank must agree.
+  if (d2t.has_value()) {
+    TORCH_CHECK(markov_w1.dim() == 2 && markov_w2.dim() == 2 &&
+                    markov_w1.size(1) == markov_w2.size(1) && markov_w1.size(0) >= 1,
+                "markov_draft: with d2t, markov_w1 must be [V_target, rank] and markov_w2 "
+                "[V_draft, rank], got ", markov_w1.sizes(), " and ", markov_w2.sizes());
+  } else {
+    TORCH_CHECK(markov_w1.dim() == 2 && markov_w2.dim() == 2 &&
+                    markov_w1.sizes() == markov_w2.sizes(),
+                "markov_draft: markov_w1 and markov_w2 must both be [V, rank], got ",
+                markov_w1.sizes(), " and ", markov_w2.sizes(),
+                " (a draft vocabulary needs d2t)");
+  }
   TORCH_CHECK(markov_w2.size(0) == V, "markov_draft: markov_w2 has ", markov_w2.size(0),
               " rows but base_logits has vocab ", V);
   TORCH_CHECK(V < (int64_t(1) << 31), "markov_draft: vocab must be < 2^31");
@@ -75,6 +88,10 @@ inline MarkovShapes check_markov_args(
   if (out_logits.has_value()) TORCH_CHECK(out_logits->is_contiguous(), "markov_draft: out_logits must be contiguous");
   if (out_stats.has_value()) TORCH_CHECK(out_stats->is_contiguous(), "markov_draft: out_stats must be contiguous");
   if (max_norms.has_value()) check_1d(*max_norms, 2, at::kFloat, "max_norms");
+  // d2t's values (target ids inside markov_w1) are not checked here: that would
+  // synchronise with a device. The wrapper and the loaders check them once; a
+  // mapped id outside markov_w1 gets no Markov embedding, like a bad anchor.
+  if (d2t.has_value()) check_1d(*d2t, V, at::kLong, "d2t");
   // Every tensor, optional ones included, must live on base_logits' device:
   // a host tensor handed to the CUDA op would otherwise be dereferenced by a
   // kernel.
@@ -96,7 +113,8 @@ inline MarkovShapes check_markov_args(
   if (out_logits.has_value()) same_device(*out_logits, "out_logits");
   if (out_stats.has_value()) same_device(*out_stats, "out_stats");
   if (max_norms.has_value()) same_device(*max_norms, "max_norms");
-  return {R, B, V, rank};
+  if (d2t.has_value()) same_device(*d2t, "d2t");
+  return {R, B, V, markov_w1.size(0), rank};
 }
 
 }  // namespace dspark

@@ -182,9 +182,17 @@ struct Args {
   float* out_conf;
   float* out_logits;  // nullable
   int32_t* out_stats;  // nullable
+  const int64_t* d2t;  // nullable: [V] offsets, draft id -> target id (the row of w1)
   float max_norm;      // max_j norms[j]
   int64_t R, B, V, rank;
+  int64_t V1;          // rows of w1: the ids with a Markov embedding are [0, V1)
 };
+
+// The previous token as a row of markov_w1: drafted tokens are draft ids
+// (the rows of w2 and of the base logits), w1 is indexed by target ids.
+inline int64_t prev_of(const Args& a, int64_t tok) {
+  return a.d2t != nullptr ? draft_to_target(tok, a.d2t[tok]) : tok;
+}
 
 struct Scratch {
   std::vector<int32_t> cand;
@@ -421,8 +429,8 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
   double* e64 = s.e64.data();
   for (int64_t i = 0; i < a.B; ++i) {
     const int64_t row = r * a.B + i;
-    // Anchor policy: an out-of-range anchor has no Markov embedding (e = 0).
-    const bool valid = prev >= 0 && prev < a.V;
+    // Anchor policy: an id outside markov_w1 has no Markov embedding (e = 0).
+    const bool valid = prev >= 0 && prev < a.V1;
     const TW* w1row = w1 + (valid ? prev : 0) * a.rank;
     double en2 = 0.0;
     for (int64_t k = 0; k < a.rank; ++k) {
@@ -447,7 +455,7 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
     if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(solver.n_exact);
 
     a.out_conf[row] = row_conf(a, row, e64);
-    prev = tok;
+    prev = prev_of(a, tok);
   }
 }
 
@@ -487,7 +495,7 @@ void run_dense_all(const Args& a) {
   const int64_t ntiles = (V + kDenseRows - 1) / kDenseRows;
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t r = 0; r < R; ++r) {
-      const bool valid = prev[r] >= 0 && prev[r] < V;  // anchor policy: e = 0
+      const bool valid = prev[r] >= 0 && prev[r] < a.V1;  // anchor policy: e = 0
       for (int64_t k = 0; k < rank; ++k) {
         E[r * rank + k] = valid ? static_cast<double>(to_f(w1[prev[r] * rank + k])) : 0.0;
       }
@@ -523,7 +531,7 @@ void run_dense_all(const Args& a) {
         a.out_tokens[row] = tok;
         if (a.out_stats) a.out_stats[row] = static_cast<int32_t>(V);
         a.out_conf[row] = row_conf(a, row, &E[r * rank]);
-        prev[r] = tok;
+        prev[r] = prev_of(a, tok);
       }
     }
   }
@@ -548,12 +556,13 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
                       const at::Tensor& out_tokens, const at::Tensor& out_conf,
                       const std::optional<at::Tensor>& out_logits,
                       const std::optional<at::Tensor>& out_stats,
-                      const std::optional<at::Tensor>& max_norms) {
+                      const std::optional<at::Tensor>& max_norms,
+                      const std::optional<at::Tensor>& d2t) {
   // max_norms only feeds the CUDA kernel's prev-independent bound; the CPU twin
   // bounds each row with the exact embedding norm (checked for shape only).
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms);
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t);
   if (sh.num_reqs == 0 || sh.block == 0) return;
   TORCH_CHECK(sh.vocab > 0, "markov_draft: vocab must be > 0");
   // Inputs are read in place when contiguous (the usual case).
@@ -564,9 +573,10 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   const at::Tensor norms = w2_row_norms.contiguous();
   const at::Tensor temp = temperature.contiguous();
   const at::Tensor sd = seeds.contiguous();
-  at::Tensor cb, cw;
+  at::Tensor cb, cw, dt;
   if (conf_base.has_value()) cb = conf_base->contiguous();
   if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
+  if (d2t.has_value()) dt = d2t->contiguous();
 
   // Anchors are not range-checked: an out-of-range anchor means "no Markov
   // embedding" (markov_reference.py), the same on both twins and sync-free.
@@ -585,6 +595,8 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   a.out_conf = out_conf.data_ptr<float>();
   a.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   a.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
+  a.d2t = dt.defined() ? dt.data_ptr<int64_t>() : nullptr;
+  a.V1 = sh.w1_rows;
   float max_norm = 0.f;
   max_norm = std::max(max_norm, chunk_max(a.norms, sh.vocab));
   a.max_norm = max_norm;

@@ -32,6 +32,10 @@
 // position, dense_kernel reads each markov_w2 tile once for all requests and
 // writes the corrected logits and per-tile bests; pick_kernel picks the token.
 //
+// Draft vocabulary (p.d2t): everything above runs in draft ids [0, V); only
+// the previous token's markov_w1 row is its target id (w1_row_of), and that
+// row exists when it lies in [0, V1) (has_w1_row, the anchor policy).
+//
 // Graph-capturable: launch shapes depend only on the sizes, no host
 // synchronisation, no allocation (scratch is the caller's workspace, see
 // markov_workspace_bytes). Exactness: the same per-element math as the CPU twin
@@ -393,6 +397,18 @@ __device__ __forceinline__ float base_at(const MarkovDraftParams& p, int64_t i) 
   }
 }
 
+// The previous token as a row of markov_w1. Drafted tokens are draft ids (rows
+// of w2 and of the base logits); w1 is indexed by target ids, so with a draft
+// vocabulary the drafted token goes through d2t (markov_common.h) first. A tok
+// here is always a written token, in [0, V).
+__device__ __forceinline__ int64_t w1_row_of(const MarkovDraftParams& p, int64_t tok) {
+  return p.d2t != nullptr ? draft_to_target(tok, gld(p.d2t + tok)) : tok;
+}
+// Anchor policy: an id outside markov_w1 has no Markov embedding (e = 0).
+__device__ __forceinline__ bool has_w1_row(const MarkovDraftParams& p, int64_t id) {
+  return id >= 0 && id < p.V1;
+}
+
 // ------------------------------------------------ prologue: max_norms on device
 // Only when the caller passes no max_norms: one pass over markov_w1.
 template <typename TW>
@@ -401,18 +417,22 @@ __global__ void __launch_bounds__(256) norm_parts_kernel(MarkovDraftParams p, Wo
   const TW* w1 = static_cast<const TW*>(p.w1);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   float m1 = 0.f, m2 = 0.f;
-  for (int64_t j = static_cast<int64_t>(blockIdx.x) * 8 + warp; j < p.V;
+  // w1 has V1 rows and w2 V (they differ with a draft vocabulary).
+  const int64_t n = p.V1 > p.V ? p.V1 : p.V;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * 8 + warp; j < n;
        j += static_cast<int64_t>(gridDim.x) * 8) {
-    double acc = 0.0;
-    for (int64_t k = lane; k < p.rank; k += 32) {
-      const double x = static_cast<double>(ldf(w1, j * p.rank + k));
-      acc += x * x;
+    if (j < p.V1) {  // warp-uniform
+      double acc = 0.0;
+      for (int64_t k = lane; k < p.rank; k += 32) {
+        const double x = static_cast<double>(ldf(w1, j * p.rank + k));
+        acc += x * x;
+      }
+      acc = warp_sum(acc);
+      // Rounded up by 1e-6 relative (as markov_max_norms): no row's fp64 norm
+      // can exceed the fp32 maximum.
+      m1 = fmaxf(m1, static_cast<float>(sqrt(acc) * (1.0 + 1e-6)));
     }
-    acc = warp_sum(acc);
-    // Rounded up by 1e-6 relative (as markov_max_norms): no row's fp64 norm
-    // can exceed the fp32 maximum.
-    m1 = fmaxf(m1, static_cast<float>(sqrt(acc) * (1.0 + 1e-6)));
-    m2 = fmaxf(m2, gld(p.norms + j));
+    if (j < p.V) m2 = fmaxf(m2, gld(p.norms + j));
   }
   m1 = block_max<8>(m1, scr);
   m2 = block_max<8>(m2, scr);
@@ -690,7 +710,7 @@ struct WalkBlock {
   sptr<long long> scr_bj;   // [NW]
   sptr<int> s_range;        // [2] serve_tile's job range
   sptr<int> s_ctl;          // [4] claim, pending, slot, pos
-  sptr<long long> s_prev;   // [1] previous token
+  sptr<long long> s_prev;   // [1] previous token as a row of w1 (its target id)
   sptr<int> s_prev_a;       // [1] its index in the previous pair table, -1: none
   sptr<int> s_Lkey;         // [B] best kept lower bound (order key)
   sptr<int> s_Dkey;         // [B] largest dropped upper bound (order key)
@@ -808,7 +828,7 @@ struct Walker : WalkBlock {
       if (k < B * T1) heads[q] = gld(w.heads + r * B * T1 + k);
     }
     // What the walk reads later without knowing it yet: into L2 now.
-    if (tid == 0) dev::prefetch_l2(w1 + (anchor >= 0 && anchor < p.V ? anchor : 0) * p.rank,
+    if (tid == 0) dev::prefetch_l2(w1 + (has_w1_row(p, anchor) ? anchor : 0) * p.rank,
                                    p.rank * sizeof(TW));
     if (tid == 1 && p.conf_base != nullptr) dev::prefetch_l2(p.conf_base + r * B, B * sizeof(float));
     if (tid == 2 && p.conf_w != nullptr) dev::prefetch_l2(p.conf_w, p.rank * sizeof(float));
@@ -861,7 +881,12 @@ struct Walker : WalkBlock {
         if (nF > kPrefetchCap) continue;
         for (int q = tid; q < 2 * nF; q += NT) {
           const Entry en = gld(w.fsets + (r * B + i) * T1 * kKeep + q / 2);
-          dev::prefetch_l2((q & 1 ? w1 : w2) + static_cast<int64_t>(en.idx) * p.rank, row_bytes);
+          if (q & 1) {
+            const int64_t prev = w1_row_of(p, en.idx);
+            if (has_w1_row(p, prev)) dev::prefetch_l2(w1 + prev * p.rank, row_bytes);
+          } else {
+            dev::prefetch_l2(w2 + static_cast<int64_t>(en.idx) * p.rank, row_bytes);
+          }
         }
       }
     }
@@ -872,8 +897,8 @@ struct Walker : WalkBlock {
       if (i >= B || !tabled(i)) continue;
       const int nprev = i == 0 ? 1 : s_nF[i - 1];
       if (a >= nprev || k >= s_nF[i]) continue;
-      const int64_t prev = i == 0 ? anchor : s_tidx[(i - 1) * kTableCap + a];
-      const bool valid = prev >= 0 && prev < p.V;
+      const int64_t prev = i == 0 ? anchor : w1_row_of(p, s_tidx[(i - 1) * kTableCap + a]);
+      const bool valid = has_w1_row(p, prev);
       double x = 0.0, y = 0.0;
       if (valid) {
         for (int64_t c = lane; c < p.rank; c += 32) {
@@ -935,7 +960,7 @@ struct Walker : WalkBlock {
     gst(p.out_tokens + row, static_cast<int64_t>(tok));
     if (p.out_stats != nullptr) gst(p.out_stats + row, stat);
     gst(p.out_conf + row, c);
-    s_prev[0] = tok;
+    s_prev[0] = w1_row_of(p, tok);
     s_prev_a[0] = a;
   }
 
@@ -975,7 +1000,7 @@ struct Walker : WalkBlock {
   // step reads that does not depend on the candidates, in one round trip.
   __device__ __forceinline__ float prev_embedding(int64_t row, double* e_norm) {
     const int64_t prev = s_prev[0];
-    const bool valid = prev >= 0 && prev < p.V;
+    const bool valid = has_w1_row(p, prev);
     double en2 = 0.0, cd = 0.0;
     for (int64_t k = tid; k < p.rank; k += NT) {
       const float ev = valid ? ldf(w1, prev * p.rank + k) : 0.f;
@@ -1163,8 +1188,8 @@ __global__ void __launch_bounds__(kDenseThreads) dense_kernel(MarkovDraftParams 
   const TW* w1 = static_cast<const TW*>(p.w1);
   for (int64_t r = 0; r < p.R; ++r) {
     const int64_t row = r * p.B + i;
-    const int64_t prev = i == 0 ? gld(p.anchor + r) : gld(p.out_tokens + row - 1);
-    const bool valid = prev >= 0 && prev < p.V;
+    const int64_t prev = i == 0 ? gld(p.anchor + r) : w1_row_of(p, gld(p.out_tokens + row - 1));
+    const bool valid = has_w1_row(p, prev);
     score_tile<TW, TW, kDenseThreads>(p, w, t, row, w1 + (valid ? prev : 0) * p.rank, valid,
                                           scr_s, scr_j);
   }
@@ -1182,8 +1207,8 @@ __global__ void __launch_bounds__(256) pick_kernel(MarkovDraftParams p, Workspac
   }
   best = block_best<8>(best, scr_s, scr_j);
   const TW* w1 = static_cast<const TW*>(p.w1);
-  const int64_t prev = i == 0 ? gld(p.anchor + r) : gld(p.out_tokens + row - 1);
-  const bool valid = prev >= 0 && prev < p.V;
+  const int64_t prev = i == 0 ? gld(p.anchor + r) : w1_row_of(p, gld(p.out_tokens + row - 1));
+  const bool valid = has_w1_row(p, prev);
   double cd = 0.0, unused = 0.0;
   if (valid && p.conf_w != nullptr) {
     for (int64_t k = threadIdx.x; k < p.rank; k += 256) {
@@ -1257,8 +1282,8 @@ size_t markov_workspace_bytes(const MarkovDraftParams& p) {
 cudaError_t launch_markov_draft(const MarkovDraftParams& p, void* workspace,
                                 cudaStream_t stream) {
   if (p.R == 0 || p.B == 0) return cudaSuccess;
-  if (p.R > (int64_t(1) << 24) || p.V <= 0 || p.V >= (int64_t(1) << 31) || p.rank <= 0 ||
-      workspace == nullptr) {
+  if (p.R > (int64_t(1) << 24) || p.V <= 0 || p.V >= (int64_t(1) << 31) || p.V1 <= 0 ||
+      p.rank <= 0 || workspace == nullptr) {
     return cudaErrorInvalidValue;
   }
   const Workspace w = carve(p, workspace, nullptr);

@@ -20,8 +20,8 @@ enum class DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 struct MarkovDraftParams {
   const void* base;          // [R, B, V] base_dtype
   DType base_dtype;
-  const int64_t* anchor;     // [R] (out of [0, V): no Markov embedding)
-  const void* w1;            // [V, rank] w_dtype
+  const int64_t* anchor;     // [R] (out of [0, V1): no Markov embedding)
+  const void* w1;            // [V1, rank] w_dtype, indexed by target ids
   const void* w2;            // [V, rank] w_dtype
   DType w_dtype;
   const float* norms;        // [V] ||w2_j||
@@ -34,7 +34,9 @@ struct MarkovDraftParams {
   float* out_conf;           // [R, B]
   float* out_logits;         // [R, B, V] or nullptr (nullptr: pruned path)
   int32_t* out_stats;        // [R, B] or nullptr
+  const int64_t* d2t;        // [V] draft id -> target id offsets, or nullptr (identity)
   int64_t R, B, V, rank;
+  int64_t V1;                // rows of w1 (V without d2t): the ids with an embedding
 };
 
 // Bytes of global scratch launch_markov_draft needs for these sizes (a pure

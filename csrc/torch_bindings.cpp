@@ -13,9 +13,10 @@ TORCH_LIBRARY(vllm_dspark, m) {
   // vllm_dspark/ops/markov_reference.py for the golden semantics. How many of
   // the drafts are verified is not the op's: the serving paths decide it from
   // the confidences (vllm_dspark/spec_decode/common/verify.py, the budget).
-  //   base_logits   [R, B, V] fp32/bf16/fp16
-  //   anchor_ids    [R] int64
-  //   markov_w1/w2  [V, rank] (same dtype, fp32/bf16/fp16)
+  //   base_logits   [R, B, V] fp32/bf16/fp16 (V: the draft vocabulary when d2t is given)
+  //   anchor_ids    [R] int64, a row of markov_w1 (a target id)
+  //   markov_w1/w2  [V, rank] (same dtype, fp32/bf16/fp16); with d2t markov_w1 is
+  //                 [V_target, rank], indexed by target ids
   //   w2_row_norms  [V] fp32 (markov_row_norms(markov_w2))
   //   conf_base     [R, B] fp32 or None (no confidence head: confidences are 1)
   //   conf_w_markov [rank] fp32 or None
@@ -26,11 +27,16 @@ TORCH_LIBRARY(vllm_dspark, m) {
   //   max_norms  [2] fp32 or None: markov_max_norms(markov_w1, w2_row_norms),
   //              the prev-independent bound the CUDA kernel needs (recomputed
   //              per call when None; the CPU twin does not use it).
+  //   d2t        [V] int64 or None: draft-vocabulary offsets (target id = draft id
+  //              + d2t[draft id]). Tokens, logits and stats stay in draft ids; only
+  //              the previous token's markov_w1 row is its target id. Appended last
+  //              so that positional callers of the older schema keep working.
   m.def(
       "markov_draft(Tensor base_logits, Tensor anchor_ids, Tensor markov_w1, "
       "Tensor markov_w2, Tensor w2_row_norms, Tensor? conf_base, Tensor? conf_w_markov, "
       "Tensor temperature, Tensor seeds, Tensor(a!) out_tokens, Tensor(b!) out_conf, "
-      "Tensor(c!)? out_logits, Tensor(d!)? out_stats, Tensor? max_norms=None) -> ()");
+      "Tensor(c!)? out_logits, Tensor(d!)? out_stats, Tensor? max_norms=None, "
+      "Tensor? d2t=None) -> ()");
   // argmax over the last dimension of x[rows] (all rows when None), as torch.argmax gives it.
   // CPU only (row_argmax_cpu.cpp): torch's CPU argmax does not vectorise; on other devices the
   // callers keep torch's. Used by the greedy verify shortcut of the rejection-sampler patch.

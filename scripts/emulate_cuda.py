@@ -9,7 +9,8 @@ launch counters; see ``tests/ops/simt/simt_compat.h``). The build is cached in
 
 ``python scripts/emulate_cuda.py --check`` runs the op's test grid through the
 real kernel source and compares every case with ``markov_draft_reference``:
-tokens equal, confidences within 1e-6, logits within 1e-6. It exits
+tokens equal, confidences within 1e-6, logits within 1e-6 (draft-vocabulary
+cases, ``d2t``, included: ``with_draft_vocab``). It exits
 0 only if every case matches and the harness reported no error. ``--quick``
 runs the bounded subset that ``tests/ops/test_simt_emulation.py`` uses.
 
@@ -126,9 +127,11 @@ def emulate(exe: Path, case: dict, temperature: torch.Tensor, *,
     norms = markov_row_norms(w2)
     with tempfile.TemporaryDirectory(prefix="simt-") as d:
         d = Path(d)
-        meta = dict(R=R, B=B, V=V, rank=rank, base_dtype=DTYPE_CODE[base.dtype],
+        meta = dict(R=R, B=B, V=V, V1=w1.shape[0], rank=rank, base_dtype=DTYPE_CODE[base.dtype],
                     w_dtype=DTYPE_CODE[w2.dtype],
                     logits=int(return_logits), stats=1)
+        if case.get("d2t") is not None:
+            _write(case["d2t"].to(torch.int64), d / "d2t.bin")
         (d / "meta.txt").write_text("".join(f"{k} {v}\n" for k, v in meta.items()))
         _write(base, d / "base.bin")
         _write(case["anchor_ids"].to(torch.int64), d / "anchor.bin")
@@ -183,6 +186,26 @@ def make_case(R, B, V, rank, dtype=torch.float32, *, seed=0, base_std=1.0, w_std
         conf_w_markov=(torch.randn(rank, generator=g) * 0.3) if (conf and conf_w) else None,
         seeds=torch.randint(-2**62, 2**62, (R,), generator=g),
     )
+
+
+def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
+    """``case`` as a draft-vocabulary checkpoint: its vocabulary becomes the draft vocabulary Vd,
+    ``markov_w1`` gets ``target_vocab`` rows and ``d2t`` maps the draft ids onto a random subset of
+    the target ids (ascending when ``sort``, as exported; shuffled otherwise). Every other anchor
+    is a target id outside the draft vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    R, _, Vd = case["base_logits"].shape
+    rank = case["markov_w2"].shape[1]
+    perm = torch.randperm(target_vocab, generator=g)
+    tgt = perm[:Vd].sort().values if sort else perm[:Vd]
+    out = dict(case)
+    out["d2t"] = tgt - torch.arange(Vd)
+    out["markov_w1"] = (torch.randn(target_vocab, rank, generator=g) * w_std).to(case["markov_w1"].dtype)
+    out["markov_w2"] = (torch.randn(Vd, rank, generator=g) * w_std).to(case["markov_w2"].dtype)
+    anchors = perm[Vd:][torch.randint(0, target_vocab - Vd, (R,), generator=g)]
+    anchors[1::2] = tgt[torch.randint(0, Vd, (R // 2,), generator=g)]
+    out["anchor_ids"] = anchors
+    return out
 
 
 def temperatures(R, mode):
@@ -263,7 +286,7 @@ def check_case(exe, name, case, temperature, *, return_logits=False, **kw):
     ref = markov_draft_reference(
         case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
         case.get("conf_base"), case.get("conf_w_markov"), temperature, case["seeds"],
-        return_logits=return_logits)
+        return_logits=return_logits, d2t=case.get("d2t"))
     problems = []
     if not torch.equal(out["tokens"], ref[0]):
         bad = (out["tokens"] != ref[0]).nonzero()[:4].tolist()
@@ -323,6 +346,37 @@ def grid(quick: bool):
                           temperatures(R, mode), {}))
         c = make_case(2, 7, 163840, 1, torch.float32, seed=51)
         cases.append(("K3-rank1-mixed", c, temperatures(2, "mixed"), {}))
+    return cases + draft_vocab_grid(quick)
+
+
+def draft_vocab_grid(quick: bool):
+    """Draft-vocabulary cases (``d2t``): the pruned walk (pair tables and certified sets), the
+    dense path, ``max_norms`` on the device with markov_w1 taller than markov_w2, bad anchors."""
+    cases = []
+    # w_std 0.5: a bias that moves tokens (loose bound, large certified sets); 0.15: small sets, so
+    # the walk goes through its pair tables (a wrong w1 row there shows in the confidences).
+    dv = [("sorted", True, "greedy", torch.float32, 0.3), ("shuffled", False, "sampled", torch.bfloat16, 0.5),
+          ("shuffled", False, "mixed", torch.float32, 0.15)]
+    for k, (order, sort, mode, dt, w_std) in enumerate(dv if quick else dv + [
+            ("sorted", True, "mixed", torch.float16, 0.5), ("sorted", True, "greedy", torch.bfloat16, 0.15)]):
+        c = with_draft_vocab(make_case(3, 7, 300, 16, dt, seed=60 + k, peaky=True), 1000, seed=k, sort=sort,
+                             w_std=w_std)
+        cases.append((f"d2t-{order}-R3-B7-Vd300-V1000-w{w_std}-{mode}", c, temperatures(3, mode), {}))
+    c = with_draft_vocab(make_case(3, 5, 257, 8, torch.bfloat16, seed=70), 700, seed=7, sort=False)
+    cases.append(("d2t-out_logits-mixed", c, temperatures(3, "mixed"), dict(return_logits=True)))
+    c = with_draft_vocab(make_case(2, 3, 200, 8, torch.float32, seed=71), 900, seed=8)
+    c["anchor_ids"] = torch.tensor([900, 850])  # outside markov_w1 / a target id off the draft subset
+    c["d2t"][::5] = 10**6  # mapped outside markov_w1 (refused by the loaders): no embedding, no bad read
+    c["d2t"][1::5] = -(10**6)
+    cases.append(("d2t-max_norms-on-device-bad-anchor-bad-map", c, temperatures(2, "mixed"),
+                  dict(pass_max_norms=False)))
+    if not quick:
+        c = with_draft_vocab(make_case(1, 1, 120, 4, torch.float32, seed=72), 500, seed=9)
+        cases.append(("d2t-B1-greedy", c, temperatures(1, "greedy"), {}))
+        for mode in ("greedy", "sampled"):
+            c = with_draft_vocab(make_case(2, 7, 32000, 256, torch.bfloat16, seed=73, peaky=True), 163840,
+                                 seed=10, w_std=0.05)
+            cases.append((f"d2t-K3-Vd32000-{mode}", c, temperatures(2, mode), {}))
     return cases
 
 

@@ -74,6 +74,27 @@ def clear_case_cache() -> None:
     _fp32_case.cache_clear()
 
 
+def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
+    """``case`` as a draft-vocabulary checkpoint (speculators' layout): its vocabulary becomes the
+    draft vocabulary Vd, ``markov_w1`` gets ``target_vocab`` rows (indexed by target ids) and
+    ``d2t`` int64 [Vd] offsets map the draft ids onto a random subset of the target ids, ascending
+    when ``sort`` (as exported) or shuffled. Even requests anchor on a target id outside the draft
+    vocabulary, odd ones on a target id inside it."""
+    g = torch.Generator().manual_seed(seed)
+    R, _, Vd = case["base_logits"].shape
+    rank = case["markov_w2"].shape[1]
+    perm = torch.randperm(target_vocab, generator=g)
+    tgt = perm[:Vd].sort().values if sort else perm[:Vd]
+    out = dict(case)
+    out["d2t"] = tgt - torch.arange(Vd)
+    out["markov_w1"] = (torch.randn(target_vocab, rank, generator=g) * w_std).to(case["markov_w1"].dtype)
+    out["markov_w2"] = (torch.randn(Vd, rank, generator=g) * w_std).to(case["markov_w2"].dtype)
+    anchors = perm[Vd:][torch.randint(0, target_vocab - Vd, (R,), generator=g)]
+    anchors[1::2] = tgt[torch.randint(0, Vd, (R // 2,), generator=g)]
+    out["anchor_ids"] = anchors
+    return out
+
+
 def temperatures(R, mode):
     if mode == "greedy":
         return torch.zeros(R)
@@ -133,7 +154,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
                          case["markov_w2"], norms, case["conf_base"], case["conf_w_markov"],
                          temp, case["seeds"], allow_fallback=False, return_stats=True,
                          max_norms=markov_max_norms(case["markov_w1"], norms)
-                         if with_max_norms else None, **kw)
+                         if with_max_norms else None, d2t=case.get("d2t"), **kw)
     assert out.path == "compiled"
     return out
 
@@ -141,7 +162,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
 def run_reference(case, temp, **kw):
     return markov_draft_reference(case["base_logits"], case["anchor_ids"], case["markov_w1"],
                                   case["markov_w2"], case["conf_base"], case["conf_w_markov"],
-                                  temp, case["seeds"], **kw)
+                                  temp, case["seeds"], d2t=case.get("d2t"), **kw)
 
 
 def assert_matches(out, ref):
@@ -155,7 +176,7 @@ CUDA_SHAPES = [(1, 7, 111, 1), (5, 7, 111, 256), (8, 7, K3_VOCAB, 256), (2, 1, 5
                (64, 7, K3_VOCAB, 256)]  # (R, B, V, rank)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("greedy", "sampled", "mixed")
-HOST_TENSOR_ARGS = ("conf_base", "conf_w_markov", "out_logits", "out_stats", "max_norms")
+HOST_TENSOR_ARGS = ("conf_base", "conf_w_markov", "out_logits", "out_stats", "max_norms", "d2t")
 
 
 def check_matches_reference(shape, dtype, mode, dense, device="cuda"):
@@ -211,18 +232,37 @@ def check_rejects_host_tensors(name, device="cuda"):
     args = dict(conf_base=case["conf_base"], conf_w_markov=case["conf_w_markov"],
                 out_logits=torch.empty(R, B, V, device=device),
                 out_stats=torch.empty(R, B, dtype=torch.int32, device=device),
-                max_norms=markov_max_norms(case["markov_w1"], norms))
+                max_norms=markov_max_norms(case["markov_w1"], norms),
+                d2t=torch.zeros(V, dtype=torch.int64, device=device))
     args[name] = args[name].cpu()
     try:
         torch.ops.vllm_dspark.markov_draft(
             case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
             norms, args["conf_base"], args["conf_w_markov"], torch.zeros(R, device=device),
             case["seeds"], torch.empty(R, B, dtype=torch.int64, device=device),
-            torch.empty(R, B, device=device), args["out_logits"], args["out_stats"], args["max_norms"])
+            torch.empty(R, B, device=device), args["out_logits"], args["out_stats"], args["max_norms"],
+            *((args["d2t"],) if name == "d2t" else ()))
     except RuntimeError as exc:
         assert re.search(name, str(exc)), f"the error does not name {name}: {exc}"
     else:
         raise AssertionError(f"a host {name} was accepted")
+
+
+def check_draft_vocab(shape, target_vocab, dtype, mode, dense, sort=True, with_max_norms=True,
+                      device="cuda"):
+    """A draft vocabulary (``d2t``): tokens and logits in draft ids, markov_w1 indexed by target ids,
+    anchors inside and outside the draft subset. ``shape`` = (R, B, Vd, rank)."""
+    R, B, Vd, rank = shape
+    w_std = 0.5 if Vd < 1000 else 0.05
+    case = to_device(with_draft_vocab(make_case(R, B, Vd, rank, dtype, seed=17, peaky=Vd > 1000),
+                                      target_vocab, seed=18, sort=sort, w_std=w_std), device)
+    temp = temperatures(R, mode).to(device)
+    out = run_compiled(case, temp, with_max_norms=with_max_norms, return_logits=dense)
+    ref = run_reference(case, temp, return_logits=dense)
+    assert_matches(out, ref)
+    if dense:
+        torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
+        assert bool((out.stats == Vd).all())
 
 
 def check_all_equal_base_goes_dense(device="cuda"):
@@ -299,6 +339,13 @@ def cuda_checks() -> list[Check]:
                 dict(with_logits=wl, mode=mode)) for wl in (False, True) for mode in ("greedy", "sampled")),
         Check("out_of_range_anchor", check_out_of_range_anchor, {}),
         Check("all_equal_base_goes_dense", check_all_equal_base_goes_dense, {}),
+        *(Check(f"draft_vocab-R{R}-B{B}-{dname}-{mode}-{'dense' if dense else 'pruned'}-"
+                f"{'sorted' if sort else 'shuffled'}{'' if mn else '-max_norms_on_device'}",
+                check_draft_vocab, dict(shape=(R, B, 300, 16), target_vocab=1000, dtype=DTYPES[dname],
+                                        mode=mode, dense=dense, sort=sort, with_max_norms=mn))
+          for (R, B, dname, mode, dense, sort, mn) in [
+              (1, 7, "fp32", "greedy", False, True, True), (4, 7, "bf16", "mixed", False, False, True),
+              (3, 1, "fp16", "sampled", False, True, False), (4, 7, "fp32", "mixed", True, False, True)]),
         *(Check(f"rejects_host_tensor-{n}", check_rejects_host_tensors, dict(name=n),
                 device_agnostic=False) for n in HOST_TENSOR_ARGS),
         Check("graph_capture", check_graph_capture, {}, device_agnostic=False),
@@ -306,6 +353,9 @@ def cuda_checks() -> list[Check]:
     k3 = [
         *(Check(f"matches_upstream_loop_on_clear_winners-R{R}", check_matches_upstream_loop_on_clear_winners,
                 dict(R=R), big=True) for R in (1, 8, 64)),
+        *(Check(f"draft_vocab-K3-Vd32000-{mode}", check_draft_vocab,
+                dict(shape=(8, 7, 32000, 256), target_vocab=K3_VOCAB, dtype=torch.bfloat16, mode=mode,
+                     dense=False), big=True) for mode in ("greedy", "mixed")),
         *(Check(f"flat_rows_and_max_norms-{'given' if mn else 'on_device'}-{mode}",
                 check_flat_rows_and_max_norms_on_device, dict(with_max_norms=mn, mode=mode), big=True)
           for mn in (True, False) for mode in ("greedy", "sampled")),

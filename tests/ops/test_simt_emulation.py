@@ -7,14 +7,17 @@ shared-memory race, barrier-divergence and bounds checks) by
 included, a few minutes). Here:
 
 * the CI subset of that grid matches ``markov_draft_reference`` (tokens
-  equal, confidences within 1e-6, logits within 1e-6);
+  equal, confidences within 1e-6, logits within 1e-6), draft-vocabulary
+  cases (``d2t``: pair tables, certified sets, dense jobs, the dense path,
+  max_norms on the device over a taller markov_w1) included;
 * the dense fallback also matches when several blocks run concurrently and
   fibers are pre-empted at random memory accesses (helpers steal tiles);
 * the harness is not blind: a copy of the kernel with one ``__syncthreads``
   removed fails with a race / uninitialised-read report, a copy with an
   off-by-one token index fails (mismatch or out-of-bounds access), and a
   copy with a barrier inside ``if (threadIdx.x == 0)`` fails with a divergence
-  report.
+  report, and a copy that feeds the drafted DRAFT id (not its target id) to
+  markov_w1 fails the draft-vocabulary cases.
 
 Skipped without a C++ compiler or on a non-x86-64 host (the fiber switch is
 x86-64 assembly).
@@ -122,6 +125,12 @@ def _barrier_in_thread_zero(src: str) -> str:
     return src.replace(old, "  if (tid == 0) { s_count[0] = 0; __syncthreads(); }\n")
 
 
+def _draft_id_as_w1_row(src: str) -> str:
+    old = "    s_prev[0] = w1_row_of(p, tok);"
+    assert src.count(old) == 1
+    return src.replace(old, "    s_prev[0] = tok;")
+
+
 def _small_case():
     return E.make_case(2, 3, 1000, 8, torch.float32, seed=9, peaky=True)
 
@@ -143,3 +152,13 @@ def test_harness_catches_barrier_divergence(tmp_path):
     exe = E.build_harness(_mutant(tmp_path, _barrier_in_thread_zero), opt="-O0")
     with pytest.raises(E.HarnessError, match="divergence|deadlock"):
         E.emulate(exe, _small_case(), E.temperatures(2, "greedy"))
+
+
+def test_harness_catches_an_unmapped_draft_token(tmp_path):
+    exe = E.build_harness(_mutant(tmp_path, _draft_id_as_w1_row), opt="-O0")
+    for name, case, temp, kw in E.draft_vocab_grid(quick=True):
+        ok, msg, _ = E.check_case(exe, name, case, temp, **kw)
+        if not ok:
+            assert "MISMATCH" in msg, msg
+            return
+    pytest.fail("no draft-vocabulary case noticed markov_w1 read at the draft id")

@@ -12,6 +12,12 @@ model all build this one object after their weights are loaded:
 
 A drafter without a Markov head (the DFlash-style ablation) gets rank-1 zero
 weights, so the op adds no bias and every row is its own argmax.
+
+A draft vocabulary (speculators' ``draft_vocab_size`` Vd < V) adds ``d2t``
+int64 [Vd] offsets (target id = draft id + d2t[draft id]): ``markov_w2`` and
+the norms then have Vd rows (the scored vocabulary, ``vocab``), ``markov_w1``
+keeps the target's V rows (``target_vocab``), since its index is the previous
+token as a target id.
 """
 
 from __future__ import annotations
@@ -20,12 +26,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vllm_dspark.ops.markov_reference import markov_max_norms, markov_row_norms
+from vllm_dspark.ops.markov_reference import check_d2t, markov_max_norms, markov_row_norms
 
 
 @dataclass(frozen=True)
 class MarkovWeights:
-    """What the op reads. Shapes: w1, w2 [V, rank]; norms [V] fp32; conf parts fp32."""
+    """What the op reads. Shapes: w1, w2 [V, rank]; norms [V] fp32; conf parts fp32.
+
+    With a draft vocabulary: w2, norms [Vd], w1 [V, rank], ``d2t`` int64 [Vd] offsets."""
 
     markov_w1: torch.Tensor
     markov_w2: torch.Tensor
@@ -35,29 +43,37 @@ class MarkovWeights:
     conf_w_markov: torch.Tensor | None = None  # [rank]
     has_markov_head: bool = True
     max_norms: torch.Tensor | None = None  # [2] fp32: max ||w1_j||, max ||w2_j|| (the CUDA kernel's bound)
+    d2t: torch.Tensor | None = None  # [Vd] int64 draft-to-target offsets, or None (draft ids are target ids)
 
     @classmethod
     def build(cls, *, vocab: int, markov_w1: torch.Tensor | None, markov_w2: torch.Tensor | None,
               conf_weight: torch.Tensor | None = None, conf_bias: torch.Tensor | float | None = None,
               hidden_size: int | None = None, conf_with_markov: bool = False,
-              device: torch.device | str | None = None) -> MarkovWeights:
+              device: torch.device | str | None = None, d2t: torch.Tensor | None = None) -> MarkovWeights:
         """From raw tensors as checkpoints and vLLM modules hold them.
 
         ``conf_weight`` is the projection's weight, [1, H (+ rank)] or [H (+ rank)];
         ``conf_with_markov`` says whether its tail reads the Markov embedding.
+        ``d2t``: a draft vocabulary's offsets [Vd] (``vocab`` is then the TARGET vocabulary:
+        ``markov_w1`` keeps ``vocab`` rows, ``markov_w2`` Vd); refused unless every mapped id
+        lies in ``[0, vocab)``.
         """
         has_markov = markov_w1 is not None and markov_w2 is not None
+        draft_vocab = vocab if d2t is None else int(d2t.numel())
         if has_markov:
             assert markov_w1 is not None and markov_w2 is not None
-            if markov_w1.shape[0] < vocab or markov_w2.shape[0] < vocab:
+            if markov_w1.shape[0] < vocab or markov_w2.shape[0] < draft_vocab:
                 raise ValueError(f"Markov weights have {markov_w1.shape[0]}/{markov_w2.shape[0]} rows, fewer "
-                                 f"than the vocabulary ({vocab})")
+                                 f"than the vocabulary ({vocab}/{draft_vocab})")
             w1 = markov_w1[:vocab].contiguous()
-            w2 = markov_w2[:vocab].contiguous()
+            w2 = markov_w2[:draft_vocab].contiguous()
         else:
             dev = device if device is not None else (conf_weight.device if conf_weight is not None else "cpu")
             w1 = torch.zeros(vocab, 1, device=dev)
-            w2 = torch.zeros(vocab, 1, device=dev)
+            w2 = torch.zeros(draft_vocab, 1, device=dev)
+        if d2t is not None:
+            check_d2t(d2t, draft_vocab, vocab)
+            d2t = d2t.to(w2.device).contiguous()
         cw_h = cw_m = None
         bias = 0.0
         if conf_weight is not None:
@@ -72,11 +88,17 @@ class MarkovWeights:
                 bias = float(conf_bias.detach().float().reshape(-1)[0]) if torch.is_tensor(conf_bias) \
                     else float(conf_bias)
         norms = markov_row_norms(w2)
-        return cls(w1, w2, norms, cw_h, bias, cw_m, has_markov, markov_max_norms(w1, norms))
+        return cls(w1, w2, norms, cw_h, bias, cw_m, has_markov, markov_max_norms(w1, norms), d2t)
 
     @property
     def vocab(self) -> int:
+        """The vocabulary the head scores (base logits, ``markov_w2``, the op's tokens): Vd with ``d2t``."""
         return int(self.markov_w2.shape[0])
+
+    @property
+    def target_vocab(self) -> int:
+        """``markov_w1``'s rows: the ids a previous token (or an anchor) can have an embedding for."""
+        return int(self.markov_w1.shape[0])
 
     @property
     def rank(self) -> int:
@@ -104,4 +126,4 @@ class MarkovWeights:
             return None if t is None else t.to(device)
         return replace(self, markov_w1=self.markov_w1.to(device), markov_w2=self.markov_w2.to(device),
                        w2_row_norms=self.w2_row_norms.to(device), conf_w_hidden=mv(self.conf_w_hidden),
-                       conf_w_markov=mv(self.conf_w_markov), max_norms=mv(self.max_norms))
+                       conf_w_markov=mv(self.conf_w_markov), max_norms=mv(self.max_norms), d2t=mv(self.d2t))

@@ -59,11 +59,32 @@ NaN policy
     weights) voids a row's certificate and that row is computed densely.
 
 Anchor policy
-    An anchor outside ``[0, vocab)`` has no Markov embedding: position 0 uses
+    An anchor outside ``[0, len(markov_w1))`` (the vocabulary; the TARGET
+    vocabulary with a draft vocabulary) has no Markov embedding: position 0 uses
     ``e = 0`` (no bias; the confidence's Markov part is 0), the rest of the block
     is drafted normally. Nothing is read out of bounds and nothing synchronises
     with the host, so padded or garbage rows are harmless (both twins and the
     reference agree).
+
+Draft vocabularies (``d2t``, the op's last argument)
+    A checkpoint may score a smaller draft vocabulary (speculators'
+    ``draft_vocab_size`` Vd < V): ``lm_head`` and ``markov_w2`` have Vd rows,
+    ``markov_w1`` keeps V rows indexed by target ids, and ``d2t`` int64 [Vd]
+    holds OFFSETS (target id = draft id + d2t[draft id]). With ``d2t`` the op's
+    base logits, ``markov_w2``, ``w2_row_norms``, output tokens, ``out_logits``
+    and ``stats`` are all in DRAFT ids [0, Vd) (one space for tokens and logits,
+    and the kernels change in one place); the anchor is a target id, valid in
+    ``[0, len(markov_w1))``; and each drafted token reaches the next position's
+    ``markov_w1`` row (and the CPU twin's exact ||e||, and the confidence's
+    Markov part) as ``token + d2t[token]``. Callers map the tokens to target ids
+    (``spec_decode/common/drafts.py``: ``DraftVocab.to_target``, and q to the
+    target vocabulary with ``q_to_target``). ``max_norms`` over all of
+    ``markov_w1``'s rows stays a valid bound. The op checks d2t's shape, dtype
+    and device; :func:`markov_draft` and the loaders also check its values
+    (``check_d2t``: every mapped id inside ``markov_w1``; once per tensor, since
+    on a GPU that is a host sync). A mapped id outside ``markov_w1`` gets no
+    Markov embedding, like a bad anchor, so even a bad map reads nothing out of
+    bounds.
 
 Build and use
     ``pip install --no-build-isolation -e .`` builds ``vllm_dspark._C`` (the op's
@@ -75,7 +96,8 @@ Build and use
     capture CUDA graphs call ``torch.ops.vllm_dspark.markov_draft`` directly
     with preallocated outputs (it returns nothing; on CUDA its only allocation
     is its scratch, from the caching allocator) and should pass ``max_norms``
-    (16th argument, optional) computed once per model. ``stats`` (optional
+    (14th argument, optional) computed once per model, and ``d2t`` (15th,
+    optional) for a draft vocabulary. ``stats`` (optional
     output) counts the exact scores computed per row; ``V`` means the row was
     computed densely. Every tensor, optional ones included, must be on
     ``base_logits``' device (checked, with the tensor's name).
@@ -100,11 +122,15 @@ Checked by
     greedy/sampled/mixed, adversarial pruning cases (bias outweighing the base,
     bias at the bound, ties, all-equal base -> dense fallback seen in
     ``stats``, -inf entries), the NaN policy (both paths) and out-of-range
-    anchors. ``tests/ops/test_simt_emulation.py`` runs the REAL CUDA
-    source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs the full
-    grid, K3 sizes and fp16 included) against the reference, with race,
-    divergence and bounds checks, and shows that an injected race, a wrong index
-    and a divergent barrier are caught. ``tests/ops/test_markov_cuda_compile.py``
+    anchors. ``tests/ops/test_markov_draft_vocab.py``: draft vocabularies
+    (sorted and shuffled maps, anchors off the draft subset or outside
+    ``markov_w1``, ``out_logits``, ``stats``, a K3-sized 32000-of-163840 case,
+    bad maps refused by name). ``tests/ops/test_simt_emulation.py`` runs the
+    REAL CUDA source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs
+    the full grid, K3 sizes, fp16 and draft vocabularies included) against the
+    reference, with race, divergence and bounds checks, and shows that an
+    injected race, a wrong index, a divergent barrier and a drafted token fed to
+    ``markov_w1`` unmapped are caught. ``tests/ops/test_markov_cuda_compile.py``
     compiles the CUDA sources for sm_80/90/100/120 without spills and checks that
     a fast-math build stops. ``tests/ops/test_markov_cuda.py`` (GPU only) checks
     the CUDA op against the reference and an upstream-style dense loop; its
@@ -120,6 +146,7 @@ from typing import NamedTuple
 import torch
 
 from vllm_dspark.ops.markov_reference import (
+    check_d2t,
     gumbel_noise,
     markov_draft_reference,
     markov_max_norms,
@@ -133,6 +160,7 @@ __all__ = [
     "markov_row_norms",
     "markov_max_norms",
     "gumbel_noise",
+    "check_d2t",
     "is_compiled_available",
 ]
 
@@ -144,12 +172,14 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _load_error: str | None = None
 _loaded: bool | None = None
 _logged_reasons: set[str] = set()
+# d2t tensors whose values were range-checked: (data_ptr, version, numel, device, w1 rows).
+_checked_d2t: dict[tuple, None] = {}
 
 
 class MarkovDraftOutput(NamedTuple):
-    tokens: torch.Tensor                # [R, B] int64
+    tokens: torch.Tensor                # [R, B] int64 (draft ids when d2t was given)
     conf: torch.Tensor                  # [R, B] fp32
-    logits: torch.Tensor | None = None  # [R, B, V] fp32, when requested
+    logits: torch.Tensor | None = None  # [R, B, V] fp32, when requested (draft ids with d2t)
     stats: torch.Tensor | None = None   # [R, B] int32 exact scores per row (compiled only)
     path: str = "compiled"              # which implementation ran: "compiled" or "reference"
 
@@ -174,7 +204,7 @@ def _register_fake() -> None:
     def _markov_draft_fake(base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms,
                            conf_base, conf_w_markov, temperature, seeds,
                            out_tokens, out_conf, out_logits, out_stats,
-                           max_norms=None):
+                           max_norms=None, d2t=None):
         # Mutates its outputs in place; nothing to allocate or return.
         return None
 
@@ -209,6 +239,20 @@ def _why_not(base_logits: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torc
     return None
 
 
+def _check_d2t_once(d2t: torch.Tensor, draft_vocab: int, w1_rows: int, device: torch.device) -> None:
+    """``check_d2t`` with the value check once per tensor version (on a GPU it syncs). Inference
+    tensors (vLLM loads under ``torch.inference_mode``) have no version counter: once per tensor."""
+    check_d2t(d2t, draft_vocab, device=device)
+    version = -1 if d2t.is_inference() else d2t._version
+    key = (d2t.data_ptr(), version, d2t.numel(), str(d2t.device), w1_rows)
+    if key in _checked_d2t:
+        return
+    check_d2t(d2t, draft_vocab, w1_rows)
+    if len(_checked_d2t) >= 16:
+        _checked_d2t.clear()
+    _checked_d2t[key] = None
+
+
 def _log_once(reason: str) -> None:
     if reason not in _logged_reasons:
         _logged_reasons.add(reason)
@@ -227,6 +271,7 @@ def markov_draft(
     seeds: torch.Tensor | None = None,
     *,
     max_norms: torch.Tensor | None = None,
+    d2t: torch.Tensor | None = None,
     return_logits: bool = False,
     return_stats: bool = False,
     allow_fallback: bool = True,
@@ -236,11 +281,13 @@ def markov_draft(
     Parameters
     ----------
     base_logits : [R, B, V] fp32/bf16/fp16
-        Target LM-head logits of the draft hidden states, one row per position.
+        LM-head logits of the draft hidden states, one row per position (V: the
+        draft vocabulary when ``d2t`` is given).
     anchor_ids : [R] int64
-        Last accepted token per request (``prev`` of position 0).
+        Last accepted token per request (``prev`` of position 0), a target id.
     markov_w1, markov_w2 : [V, rank], same dtype
-        Markov head: ``bias_j = markov_w2[j] . markov_w1[prev]``.
+        Markov head: ``bias_j = markov_w2[j] . markov_w1[prev]``. With ``d2t``
+        ``markov_w1`` is [V_target, rank], indexed by target ids.
     w2_row_norms : [V] fp32, optional
         ``markov_row_norms(markov_w2)``; compute once per model and pass it
         (computed here when omitted, which costs a full pass over ``markov_w2``).
@@ -257,6 +304,10 @@ def markov_draft(
         ``markov_max_norms(markov_w1, w2_row_norms)``, once per model. Only the
         CUDA kernel uses it (recomputed per call when omitted: a pass over
         ``markov_w1``).
+    d2t : [V] int64, optional
+        Draft-vocabulary offsets (target id = draft id + d2t[draft id]); see the
+        module docstring. Refused (``ValueError``) unless int64 [V] on the base
+        logits' device with every mapped id inside ``markov_w1``.
     return_logits : bool
         Also return the corrected fp32 logits [R, B, V] (dense path).
     return_stats : bool
@@ -268,10 +319,13 @@ def markov_draft(
     Returns
     -------
     MarkovDraftOutput(tokens [R, B] int64, conf [R, B] fp32,
-    logits [R, B, V] fp32 | None, stats [R, B] int32 | None, path "compiled" | "reference")
+    logits [R, B, V] fp32 | None, stats [R, B] int32 | None, path "compiled" | "reference");
+    tokens, logits and stats in draft ids when ``d2t`` is given.
     """
     R, B, V = base_logits.shape
     dev = base_logits.device
+    if d2t is not None:
+        _check_d2t_once(d2t, V, int(markov_w1.shape[0]), dev)
     if temperature is None:
         temperature = torch.zeros(R, dtype=torch.float32, device=dev)
     if seeds is None:
@@ -293,7 +347,7 @@ def markov_draft(
             None if conf_w_markov is None else conf_w_markov.to(torch.float32),
             temperature.to(torch.float32), seeds.to(torch.int64),
             tokens, conf, logits, stats,
-            None if max_norms is None else max_norms.to(torch.float32))
+            None if max_norms is None else max_norms.to(torch.float32), d2t)
         return MarkovDraftOutput(tokens, conf, logits, stats, "compiled")
 
     if not allow_fallback:
@@ -301,5 +355,5 @@ def markov_draft(
     _log_once(reason)
     out = markov_draft_reference(
         base_logits, anchor_ids, markov_w1, markov_w2, conf_base, conf_w_markov,
-        temperature, seeds, return_logits=return_logits)
+        temperature, seeds, return_logits=return_logits, d2t=d2t)
     return MarkovDraftOutput(out[0], out[1], out[2] if return_logits else None, None, "reference")

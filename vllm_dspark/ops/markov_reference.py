@@ -6,9 +6,9 @@ drafter imports it so that the model code and the kernel share one definition.
 
 Semantics (per request ``r``, left to right over the block's positions)::
 
-    prev = anchor_ids[r]
+    prev = anchor_ids[r]                                    # a row of markov_w1
     for i in range(block):
-        e      = fp32(markov_w1[prev]) if 0 <= prev < vocab else 0      # [rank]
+        e      = fp32(markov_w1[prev]) if 0 <= prev < len(markov_w1) else 0  # [rank]
         bias   = fp32(fp64(e) @ fp64(markov_w2).T)                      # [vocab]
         logits = fp32(base_logits[r, i]) + bias                         # fp32 add
         if temperature[r] <= 0:  token = argmax(logits)                 # greedy
@@ -16,7 +16,7 @@ Semantics (per request ``r``, left to right over the block's positions)::
                                  # (argmax: ties -> lowest id, NaN ranks below -inf)
         z      = fp64(conf_base[r, i]) + fp64(e) . fp64(conf_w_markov)
         conf   = fp32(sigmoid(z))                                       # fp64 sigmoid
-        prev   = token
+        prev   = token if d2t is None else token + d2t[token]          # target id
 
 * ``argmax`` breaks ties towards the LOWEST token id (as ``torch.argmax``).
 * NaN policy: a NaN score ranks below every other score, ``-inf`` included,
@@ -33,10 +33,16 @@ Semantics (per request ``r``, left to right over the block's positions)::
   from the confidences (``spec_decode/common/verify.py``, the budget; the
   reference drafter applies DSpark's threshold rule itself).
 * ``-inf`` base logits are allowed (a row of only ``-inf`` proposes token 0).
-* Anchor policy: an anchor outside ``[0, vocab)`` has no Markov embedding:
-  position 0 uses ``e = 0`` (no bias, and the confidence's Markov part is 0);
-  later positions are drafted normally. Nothing reads out of bounds and no
-  device-to-host check is needed, so padded or garbage rows are harmless.
+* Anchor policy: an anchor outside ``[0, len(markov_w1))`` has no Markov
+  embedding: position 0 uses ``e = 0`` (no bias, and the confidence's Markov
+  part is 0); later positions are drafted normally. Nothing reads out of bounds
+  and no device-to-host check is needed, so padded or garbage rows are harmless.
+* Draft vocabulary (``d2t`` given, int64 [Vd] offsets): base logits, ``markov_w2``,
+  tokens and logits are in draft ids ``[0, Vd)``; ``markov_w1`` [V, rank] is
+  indexed by TARGET ids, so the anchor is a target id and each drafted token
+  reaches the next position's ``markov_w1`` as ``token + d2t[token]``. A mapped
+  id outside ``markov_w1`` is treated like a bad anchor (``check_d2t`` refuses
+  such maps at load time). ``d2t=None`` is the identity (Vd == V).
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ __all__ = [
     "markov_draft_reference",
     "markov_recurrence",
     "embed_prev",
+    "check_d2t",
+    "d2t_target_ids",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -189,35 +197,72 @@ class _Bias:
 
 def embed_prev(markov_w1: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
     """The vanilla head's embedding of the previous token: fp32 ``markov_w1[prev]`` [R, rank], zero for
-    ids outside ``[0, vocab)`` (the anchor policy: no bias, no Markov part of the confidence)."""
+    ids outside ``[0, len(markov_w1))`` (the anchor policy: no bias, no Markov part of the confidence).
+    ``prev`` are target ids (``markov_w1``'s rows), also with a draft vocabulary."""
     v = markov_w1.shape[0]
     valid = (prev >= 0) & (prev < v)
     e = markov_w1[prev.clamp(0, v - 1)].to(torch.float32)
     return torch.where(valid[:, None], e, torch.zeros_like(e))
 
 
+def d2t_target_ids(d2t: torch.Tensor) -> torch.Tensor:
+    """The target id of every draft id, ``arange(Vd) + d2t`` (int64 [Vd])."""
+    return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t
+
+
+def check_d2t(d2t: object, draft_vocab: int, target_vocab: int | None = None, *,
+              device: torch.device | None = None) -> None:
+    """Refuse a draft-vocabulary map the op cannot take, naming what is wrong (``ValueError``).
+
+    ``d2t`` must be an int64 [draft_vocab] tensor of OFFSETS (target id = draft id + d2t[draft id]),
+    on ``device`` when given. With ``target_vocab`` (the rows of ``markov_w1``) every mapped id must
+    also lie in ``[0, target_vocab)``: that reads the values, a host sync on a GPU, so loaders check
+    it once; the op itself never reads out of bounds (a mapped id outside gets no embedding).
+    """
+    if not isinstance(d2t, torch.Tensor):
+        raise ValueError(f"d2t must be a tensor of int64 offsets, got {type(d2t).__name__}")
+    if d2t.dtype != torch.int64:
+        raise ValueError(f"d2t must be int64 (offsets: target id = draft id + d2t[draft id]), got {d2t.dtype}")
+    if d2t.dim() != 1 or d2t.numel() != draft_vocab:
+        raise ValueError(f"d2t must be 1-D with one offset per draft token, [{draft_vocab}] (the draft "
+                         f"vocabulary: base logits' last dim, markov_w2's rows), got {list(d2t.shape)}")
+    if device is not None and d2t.device != torch.device(device):
+        raise ValueError(f"d2t is on {d2t.device} but the base logits are on {device}")
+    if target_vocab is None or draft_vocab == 0:
+        return
+    tgt = d2t_target_ids(d2t)
+    bad = (tgt < 0) | (tgt >= target_vocab)
+    if bool(bad.any()):
+        idx = bad.nonzero().flatten()[:3].tolist()
+        pairs = ", ".join(f"{j} -> {int(tgt[j])}" for j in idx)
+        raise ValueError(f"d2t maps {int(bad.sum())} draft ids outside the target vocabulary [0, {target_vocab}) "
+                         f"(markov_w1's rows), e.g. {pairs}; d2t holds offsets, not target ids")
+
+
 def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
                       embed: Callable[[torch.Tensor], torch.Tensor], bias: Callable[[torch.Tensor], torch.Tensor],
                       pick: Callable[[int, torch.Tensor], torch.Tensor], out_tokens: torch.Tensor,
                       out_conf: torch.Tensor, conf_base: torch.Tensor | None = None,
-                      conf_w_markov: torch.Tensor | None = None) -> None:
+                      conf_w_markov: torch.Tensor | None = None, d2t: torch.Tensor | None = None) -> None:
     """DSpark's sequential stage, left to right: the one place its recurrence is written in Python.
 
     For each position ``i``: ``e = embed(prev)``, ``logits = fp32(base[:, i]) + bias(e)``,
     ``token = pick(i, logits)``, the confidence from ``conf_base[:, i]`` and ``e``, then
-    ``prev = token``. The reference (greedy argmax or a Gumbel draw) and the sampled path
+    ``prev = token`` (``token + d2t[token]`` with a draft vocabulary: ``embed`` takes target
+    ids). The reference (greedy argmax or a Gumbel draw) and the sampled path
     (``spec_decode/common/draft_sampling.py``: top-k/top-p, the exact q) differ only in
     ``pick``; a head variant differs only in ``embed`` and ``bias``.
 
     Parameters
     ----------
-    base_logits : [R, B, V] base logits per position
-    anchor_ids : [R] int64, ``prev`` of position 0
-    embed : [R] int64 previous tokens -> [R, rank] fp32
+    base_logits : [R, B, V] base logits per position (V: the draft vocabulary when ``d2t`` is given)
+    anchor_ids : [R] int64, ``prev`` of position 0 (a target id)
+    embed : [R] int64 previous tokens (target ids) -> [R, rank] fp32
     bias : [R, rank] -> [R, V] fp32 Markov bias
     pick : (position, [R, V] fp32 corrected logits) -> [R] int64 tokens
     out_tokens : [R, B] int64, written; out_conf : [R, B] fp32, written where ``conf_base`` is given
     conf_base : [R, B] fp32 or None; conf_w_markov : [rank] fp32 or None
+    d2t : [V] int64 draft-to-target offsets, or None (identity); ``out_tokens`` stays in draft ids
     """
     prev = anchor_ids.to(torch.int64)
     for i in range(base_logits.shape[1]):
@@ -230,7 +275,7 @@ def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
             if conf_w_markov is not None:
                 z = z + e.to(torch.float64) @ conf_w_markov.to(torch.float64)
             out_conf[:, i] = torch.sigmoid(z).to(torch.float32)
-        prev = tok
+        prev = tok if d2t is None else tok + d2t[tok]
 
 
 def markov_draft_reference(
@@ -243,14 +288,15 @@ def markov_draft_reference(
     temperature: torch.Tensor | None = None,
     seeds: torch.Tensor | None = None,
     return_logits: bool = False,
+    d2t: torch.Tensor | None = None,
 ):
     """The obvious sequential loop (see the module docstring for the semantics).
 
     Parameters
     ----------
     base_logits : [R, B, V] bf16/fp16/fp32, target-LM-head logits per position.
-    anchor_ids : [R] int64, last accepted token of each request.
-    markov_w1, markov_w2 : [V, rank], Markov head weights.
+    anchor_ids : [R] int64, last accepted token of each request (a target id).
+    markov_w1, markov_w2 : [V, rank], Markov head weights (with ``d2t``: markov_w1 [V_target, rank]).
     conf_base : [R, B] fp32 or None, confidence pre-activation of the hidden part
         (``proj_h . h_i + bias``). None: no confidence head (confidences are 1).
     conf_w_markov : [rank] fp32 or None, Markov part of the confidence weight.
@@ -258,6 +304,8 @@ def markov_draft_reference(
     seeds : [R] int64 or None (zeros).
     return_logits : also return the corrected fp32 logits [R, B, V]
         (base + bias, before temperature and noise).
+    d2t : [V] int64 draft-vocabulary offsets or None (see the module docstring);
+        tokens and logits stay in draft ids.
 
     Returns
     -------
@@ -291,7 +339,7 @@ def markov_draft_reference(
         return _argmax_nan_last(scores)  # first maximal index on ties
 
     markov_recurrence(base_logits, anchor_ids, lambda prev: embed_prev(markov_w1, prev), bias_of, pick,
-                      tokens, conf, conf_base, conf_w_markov)
+                      tokens, conf, conf_base, conf_w_markov, d2t)
 
     if return_logits:
         return tokens, conf, all_logits

@@ -79,20 +79,24 @@ int main(int argc, char** argv) {
   const int64_t R = static_cast<int64_t>(meta["R"]), B = static_cast<int64_t>(meta["B"]);
   const int64_t V = static_cast<int64_t>(meta["V"]), rank = static_cast<int64_t>(meta["rank"]);
   const int bdt = static_cast<int>(meta["base_dtype"]), wdt = static_cast<int>(meta["w_dtype"]);
+  // Rows of w1: the target vocabulary with a draft vocabulary (d2t.bin), else V.
+  const int64_t V1 = meta.count("V1") ? static_cast<int64_t>(meta["V1"]) : V;
 
   dspark::MarkovDraftParams p{};
   p.R = R;
   p.B = B;
   p.V = V;
   p.rank = rank;
+  p.V1 = V1;
   p.base_dtype = static_cast<dspark::DType>(bdt);
   p.w_dtype = static_cast<dspark::DType>(wdt);
   auto* base = load("base", R * B * V * dsize(bdt), true);
   auto* anchor = load("anchor", R * 8, true);
-  auto* w1 = load("w1", V * rank * dsize(wdt), true);
+  auto* w1 = load("w1", V1 * rank * dsize(wdt), true);
   auto* w2 = load("w2", V * rank * dsize(wdt), true);
   auto* norms = load("norms", V * 4, true);
   auto* max_norms = load("max_norms", 8, false);
+  auto* d2t = load("d2t", V * 8, false);
   auto* conf_base = load("conf_base", R * B * 4, false);
   auto* conf_w = load("conf_w", rank * 4, false);
   auto* temperature = load("temperature", R * 4, true);
@@ -107,6 +111,7 @@ int main(int argc, char** argv) {
   p.w2 = w2->data();
   p.norms = reinterpret_cast<const float*>(norms->data());
   p.max_norms = max_norms ? reinterpret_cast<const float*>(max_norms->data()) : nullptr;
+  p.d2t = d2t ? reinterpret_cast<const int64_t*>(d2t->data()) : nullptr;
   p.conf_base = conf_base ? reinterpret_cast<const float*>(conf_base->data()) : nullptr;
   p.conf_w = conf_w ? reinterpret_cast<const float*>(conf_w->data()) : nullptr;
   p.temperature = reinterpret_cast<const float*>(temperature->data());

@@ -20,6 +20,10 @@ position (the Markov bias depends on the previous draft; the loop is
 The Gumbel noise is the op's counter-based hash (``gumbel_noise``), so a seeded
 request drafts the same tokens alone or in any batch. Greedy requests never
 come here: they draft through the Markov draft op.
+
+With a draft vocabulary (``mw.d2t``) all of this is in draft ids (q over the
+Vd scored tokens); ``markov_w1[prev]`` takes the previous token's target id
+(``markov_recurrence``). The stage maps tokens and q to the target vocabulary.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
 
     Returns
     -------
-    tokens [R, N] int64, conf [R, N] fp32, q [R, N, V] fp32 (the draw's distribution)
+    tokens [R, N] int64, conf [R, N] fp32, q [R, N, V] fp32 (the draw's distribution);
+    tokens and q in draft ids with a draft vocabulary (``mw.d2t``)
     """
     r, n, v = base.shape
     dev = base.device
@@ -77,5 +82,5 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
         embed, bias = (lambda prev: embed_prev(mw.markov_w1, prev)), (lambda e: (e.double() @ w2.T).float())
     else:
         embed, bias = head.embed, head.bias_fn()
-    markov_recurrence(base, anchors, embed, bias, pick, tokens, conf, conf_base, mw.conf_w_markov)
+    markov_recurrence(base, anchors, embed, bias, pick, tokens, conf, conf_base, mw.conf_w_markov, mw.d2t)
     return tokens, conf, q

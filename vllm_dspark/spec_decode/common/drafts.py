@@ -17,8 +17,11 @@ checkpoints sits behind two small objects the stage owns:
 
 * the **head** (:class:`VanillaHead`): its embedding of the previous token, its
   bias, and the bound the op prunes with;
-* the **vocabulary map** (:class:`IdentityVocab`): draft ids to target ids, and
-  q from draft to target vocabulary.
+* the **vocabulary map** (:class:`IdentityVocab`, or :class:`DraftVocab` for a
+  checkpoint with a draft vocabulary, ``MarkovWeights.d2t``): draft ids to
+  target ids, and q from draft to target vocabulary. The op and the recurrence
+  draft in draft ids (they take ``d2t`` for the next position's ``markov_w1``
+  row); the stage hands target ids and target-vocabulary q to everyone else.
 
 A new head variant or vocabulary map changes this module and the op; the
 runners only ever call :meth:`MarkovStage.draft` or :meth:`MarkovStage.draft_into`.
@@ -34,7 +37,7 @@ import numpy as np
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.ops.markov_reference import embed_prev
+from vllm_dspark.ops.markov_reference import check_d2t, d2t_target_ids, embed_prev
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE  # noqa: F401 (re-exported)
 
 
@@ -114,14 +117,45 @@ class VanillaHead:
 class IdentityVocab:
     """The drafter scores the target's own vocabulary: draft id == target id."""
 
+    d2t: torch.Tensor | None = None
+
     def __init__(self, size: int):
         self.size = size
+        self.draft_size = size
 
     def to_target(self, ids: torch.Tensor) -> torch.Tensor:
         return ids
 
     def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
         return q
+
+
+class DraftVocab:
+    """A draft vocabulary (speculators' ``draft_vocab_size``): the head scores ``draft_size`` tokens,
+    draft id ``j`` is target id ``j + d2t[j]``.
+
+    ``size`` is the target vocabulary (q's last dimension after :meth:`q_to_target`), ``d2t`` the
+    int64 [draft_size] offsets the op takes. Construction checks the map's form only: V2 builds a
+    stage per step, possibly under CUDA-graph capture, where reading the values would sync; they
+    are checked once when the weights are loaded (``MarkovWeights.build``).
+    """
+
+    def __init__(self, d2t: torch.Tensor, size: int):
+        check_d2t(d2t, int(d2t.numel()))
+        self.d2t = d2t
+        self.size = size
+        self.draft_size = int(d2t.numel())
+        self.target_ids = d2t_target_ids(d2t)  # [Vd]
+
+    def to_target(self, ids: torch.Tensor) -> torch.Tensor:
+        """Draft ids (any shape) -> target ids."""
+        return self.target_ids[ids]
+
+    def q_to_target(self, q: torch.Tensor) -> torch.Tensor:
+        """[..., Vd] -> [..., V]: each draft token's mass at its target id, zero elsewhere (exact:
+        a copy, or a sum where two draft ids share a target id)."""
+        out = torch.zeros(*q.shape[:-1], self.size, dtype=q.dtype, device=q.device)
+        return out.index_add_(-1, self.target_ids.to(q.device), q)
 
 
 class MarkovStage:
@@ -139,7 +173,8 @@ class MarkovStage:
         self.weights = weights
         self.compute_logits = compute_logits
         self.head = VanillaHead(weights)
-        self.vocab = IdentityVocab(weights.vocab)
+        self.vocab: IdentityVocab | DraftVocab = (
+            IdentityVocab(weights.vocab) if weights.d2t is None else DraftVocab(weights.d2t, weights.target_vocab))
         self.last_path: str | None = None
 
     # ------------------------------------------------------------------ inputs
@@ -169,13 +204,14 @@ class MarkovStage:
 
         w = self.weights
         out = markov_draft(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base,
-                           w.conf_w_markov, max_norms=self.head.max_norms)
+                           w.conf_w_markov, max_norms=self.head.max_norms, d2t=self.vocab.d2t)
         return self.vocab.to_target(out.tokens), out.conf, out.path
 
     def sampled(self, base: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
                 top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sampled rows (``draft_sampling``): tokens [R, N], conf [R, N], exact q [R, N, V]."""
+        """Sampled rows (``draft_sampling``): tokens [R, N] target ids, conf [R, N], exact q [R, N, V] over
+        the target vocabulary."""
         from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
 
         tokens, conf, q = sample_drafts(base, anchors, self.weights, temperature, seeds, conf_base,
@@ -220,10 +256,20 @@ class MarkovStage:
                    op: Callable[..., Any] | None = None) -> None:
         """One op call writing into preallocated outputs (V2's CUDA-graph path: no allocation of its
         own, no host sync). Greedy and sampled rows alike: the op draws sampled rows by Gumbel noise,
-        and ``out_logits`` gets the corrected logits the rejection sampler's q is made from."""
+        and ``out_logits`` gets the corrected logits the rejection sampler's q is made from.
+
+        With a draft vocabulary ``out_tokens`` ends in target ids (mapped after the op by a gather
+        into a temporary from the caching allocator: still no sync) but ``out_logits`` is
+        [R, N, Vd], in draft ids: the caller maps what it makes from them (``self.vocab.q_to_target``
+        for a q)."""
         if op is None:
             op = torch.ops.vllm_dspark.markov_draft
         w = self.weights
         conf_w_markov = w.conf_w_markov if conf_base is not None else None
-        op(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base, conf_w_markov,
-           temperature, seeds, out_tokens, out_conf, out_logits, None, self.head.max_norms)
+        args = (base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base, conf_w_markov,
+                temperature, seeds, out_tokens, out_conf, out_logits, None, self.head.max_norms)
+        if self.vocab.d2t is None:
+            op(*args)  # the pre-d2t schema: stand-ins written for it keep working
+            return
+        op(*args, self.vocab.d2t)
+        out_tokens.copy_(self.vocab.to_target(out_tokens))
