@@ -28,8 +28,10 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from vllm_dspark.checkpoint.token_frequency import FILE_NAME
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.serving.settings_table import (
     BY_NAME,
@@ -80,6 +82,9 @@ class DSparkSettings:
     probe_period: int = _default("probe_period")
     probe_max_period: int = _default("probe_max_period")
     reject_run: int = _default("reject_run")
+    # A serve-time draft vocabulary: its size (None: the target's whole vocabulary) and its table.
+    draft_vocab: int | None = None
+    draft_vocab_table: str | None = None
     sources: tuple[tuple[str, str], ...] = field(default=())
 
     # -------------------------------------------------------------- derived
@@ -113,6 +118,7 @@ class DSparkSettings:
         return (f"block {self.block_size}, verify up to {self.max_draft_tokens} drafts ({ver}, "
                 f"{self.source('verification')}), window {window} ({self.source('window')}), "
                 f"context gate {gate}, draft sampling {self.draft_sampling}"
+                + (f", draft vocabulary {self.draft_vocab}" if self.draft_vocab else "")
                 + ("" if self.use_markov else ", Markov bias DISABLED (ablation)"))
 
     def context_note(self) -> str | None:
@@ -284,6 +290,17 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         problems.append(f"probe_max_period ({sources.get('probe_max_period', 'default')}): got "
                         f"{trust['probe_max_period']}, below probe_period {trust['probe_period']}; set it to at "
                         f"least probe_period")
+    draft_vocab, table = values.get("draft_vocab"), values.get("draft_vocab_table")
+    if draft_vocab is not None:
+        if cfg.draft_vocab_size is not None:
+            problems.append(f"draft_vocab ({sources['draft_vocab']}): this drafter already has a draft vocabulary "
+                            f"({cfg.draft_vocab_size} tokens, its own d2t); unset draft_vocab")
+        elif draft_vocab >= cfg.vocab_size:
+            problems.append(f"draft_vocab ({sources['draft_vocab']}): got {draft_vocab}, but the vocabulary has "
+                            f"{cfg.vocab_size} tokens; set 1 <= draft_vocab < {cfg.vocab_size}, or 'off'")
+        if table is None:
+            table = str(Path(str(draft)) / FILE_NAME)
+            sources["draft_vocab_table"] = "default: the drafter's directory"
     if problems:
         raise DSparkSettingsError("DSpark settings cannot be served:\n  - " + "\n  - ".join(problems), problems)
     return DSparkSettings(
@@ -299,5 +316,6 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         prior_strength=float(trust["prior_strength"]), prior_acceptance=float(trust["prior_acceptance"]),
         probe_tokens=int(trust["probe_tokens"]), probe_period=int(trust["probe_period"]),
         probe_max_period=int(trust["probe_max_period"]), reject_run=int(trust["reject_run"]),
+        draft_vocab=draft_vocab, draft_vocab_table=table if draft_vocab is not None else None,
         sources=tuple(sorted(sources.items())))
 

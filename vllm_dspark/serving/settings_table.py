@@ -74,6 +74,24 @@ def tokens_or_off(minimum: int) -> Callable[[Any, str, str], int | None]:
     return parse
 
 
+def size_or_off(value: Any, name: str, source: str) -> int | None:
+    """``off`` (None) or a number of tokens >= 1 (the upper bound, the target's vocabulary, is checked
+    when the checkpoint is known)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none", "")):
+        return None
+    bad = DSparkSettingsError(f"{name} ({source}): got {value!r}, expected 'off' or a number N of draft tokens, "
+                              "1 <= N < the target's vocabulary size")
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise bad
+    try:
+        v = int(str(value).strip()) if not isinstance(value, (int, float)) else int(value)
+    except ValueError:
+        raise bad from None
+    if v < 1:
+        raise bad
+    return v
+
+
 def text(value: Any, name: str, source: str) -> str | None:
     v = str(value).strip()
     return v or None
@@ -196,6 +214,13 @@ SETTINGS: tuple[Setting, ...] = (
                    integer=True), 8, "8",
             "budget: drafting steps in a row with every draft rejected that stop admitting (sooner when the "
             "run was unlikely; 0: never)"),
+    Setting("draft_vocab", "VLLM_DSPARK_DRAFT_VOCAB", None, size_or_off, None, "off",
+            "a full-vocabulary drafter drafts over the N most frequent tokens of `draft_vocab_table` only "
+            "(its LM head and Markov stage score N rows instead of the target's V; lossless: a token outside "
+            "them is never proposed); N with 1 <= N < V, or `off`"),
+    Setting("draft_vocab_table", "VLLM_DSPARK_DRAFT_VOCAB_TABLE", None, text, None,
+            "`token_frequency.json` in the drafter's directory",
+            "the token frequency table `draft_vocab` ranks by (`vllm-dspark vocab-table` builds one)"),
 )
 BY_NAME = {s.name: s for s in SETTINGS}
 TRUST_NAMES = ("prior_strength", "prior_acceptance", "probe_tokens", "probe_period", "probe_max_period",

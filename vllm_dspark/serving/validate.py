@@ -80,6 +80,24 @@ def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
     return out
 
 
+def draft_vocab_problems(settings: DSparkSettings, target_vocab: int) -> list[str]:
+    """Why the ``draft_vocab`` setting cannot be served with its table (empty when it can)."""
+    from vllm_dspark.checkpoint.token_frequency import FrequencyTableError, load_frequency_table
+
+    n, path = settings.draft_vocab, settings.draft_vocab_table
+    src = settings.source("draft_vocab_table")
+    try:
+        table = load_frequency_table(str(path))
+    except FrequencyTableError as exc:
+        return [f"draft_vocab {n} needs a token frequency table, and draft_vocab_table ({src}) cannot be used: "
+                f"{exc}, or set draft_vocab_table to one (or draft_vocab to 'off')"]
+    if table.vocab_size != target_vocab:
+        return [f"draft_vocab_table ({src}): {path} counts a vocabulary of {table.vocab_size} tokens, but the "
+                f"target's has {target_vocab}; build the table with the target's tokenizer (vllm-dspark "
+                "vocab-table --tokenizer TARGET_DIR ...)"]
+    return []
+
+
 @dataclass(frozen=True)
 class DraftFiles:
     """A SpecForge DSpark export's directory and its ``config.json``, read once for the whole start-up."""
@@ -131,14 +149,19 @@ def validate_draft_for_serving(draft: DraftFiles, target_hf_config: Any, *, num_
             raise DSparkDraftError(f"DSpark draft {path}: {refusal}")
         problems += in_progress_refusals(cfg)
         problems += validate_checkpoint(path, scan_values=False, config=cfg).problems
+        target_vocab = cfg.vocab_size
         if target_hf_config is not None:
-            problems += check_target_compat(cfg, target_hf_config).problems
+            compat = check_target_compat(cfg, target_hf_config)
+            problems += compat.problems
+            target_vocab = compat.target_vocab_size or target_vocab
         try:
             settings = resolve_settings(cfg, draft=str(path), dflash_config=draft.raw.get("dflash_config"),
                                         spec_options=spec_options, num_speculative_tokens=num_speculative_tokens,
                                         served_context=served_context, environ=environ)
         except DSparkSettingsError as exc:
             problems += exc.problems
+        if settings is not None and settings.draft_vocab is not None:
+            problems += draft_vocab_problems(settings, target_vocab)
     if problems:
         lines = "\n  - ".join(problems)
         raise DSparkDraftError(f"DSpark draft {path} cannot be served with this target:\n  - {lines}")

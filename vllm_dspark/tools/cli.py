@@ -165,7 +165,29 @@ def _cmd_cpu_preload(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_vocab_table(args: argparse.Namespace) -> int:
+    from vllm_dspark.checkpoint.token_frequency import FrequencyTableError, write_frequency_table
+    from vllm_dspark.tools.draft_vocab import InputError, build_table
+
+    if not Path(args.input).is_file():
+        print(f"vllm-dspark vocab-table: {args.input}: no such file", file=sys.stderr)
+        return 2
+    source = args.source or (f"vllm-dspark vocab-table --tokenizer {args.tokenizer} --input {args.input} "
+                             f"--out {args.out}")
+    try:
+        table = build_table(args.input, args.tokenizer, source=source, top=args.top,
+                            log=lambda m: print(m, file=sys.stderr))
+    except (InputError, FrequencyTableError, OSError) as exc:
+        print(f"vllm-dspark vocab-table: {exc}", file=sys.stderr)
+        return 1
+    write_frequency_table(args.out, table)
+    print(f"wrote {args.out}: {table.tokens:,} tokens counted, {len(table.ids):,} ids ranked of "
+          f"{table.vocab_size:,}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from vllm_dspark.checkpoint.token_frequency import MAX_IDS
     from vllm_dspark.tools.deploy.plan import add_plan_parser
 
     parser = argparse.ArgumentParser(prog="vllm-dspark", description=__doc__.splitlines()[0])
@@ -186,6 +208,18 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cpu-preload", help="the LD_PRELOAD value of vLLM's CPU set-up (tcmalloc + Intel OpenMP), "
                                            "for example LD_PRELOAD=\"$(vllm-dspark cpu-preload)\" vllm serve ...")
     c.set_defaults(func=_cmd_cpu_preload)
+    v = sub.add_parser("vocab-table", help="count a JSONL's tokens into the frequency table a serve-time draft "
+                                           "vocabulary (the draft_vocab setting) ranks by")
+    v.add_argument("--tokenizer", required=True, help="the target's directory (tokenizer and config.json)")
+    v.add_argument("--input", required=True,
+                   help='JSONL of {"text": ...} or {"token_ids": [...]} lines: the drafter\'s training text, '
+                        "never your evaluation prompts")
+    v.add_argument("--out", required=True, help="the table to write (token_frequency.json in the drafter's "
+                                                "directory is where serving looks by default)")
+    v.add_argument("--top", type=int, default=MAX_IDS, help=f"ids ranked at most (default {MAX_IDS})")
+    v.add_argument("--source", default=None, help="how the input was made, for the table's source field "
+                                                  "(default: this command line)")
+    v.set_defaults(func=_cmd_vocab_table)
     return parser
 
 

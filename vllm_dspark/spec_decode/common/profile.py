@@ -92,6 +92,8 @@ def _key(proposer) -> str:
         "threads": torch.get_num_threads(), "max_tokens": vc.scheduler_config.max_num_batched_tokens,
         "max_seqs": vc.scheduler_config.max_num_seqs, "block": proposer.block,
         "vllm": __import__("vllm").__version__, "cpu": os.uname().machine,
+        # A draft vocabulary changes the drafter's step (its LM head and Markov stage).
+        "draft_vocab": getattr(proposer.settings, "draft_vocab", None),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -20,22 +20,31 @@ with Markov and confidence heads) plus what the V1 proposer needs:
   context keys' grouped norm; when a probe sees that, keys are normalised per
   layer in PyTorch (otherwise every layer after the first reads wrongly
   normalised keys: no error, lower acceptance);
-* older exports' ``logit_head.`` tensor names load.
+* older exports' ``logit_head.`` tensor names load;
+* a serve-time draft vocabulary (the ``draft_vocab`` setting): the Markov
+  weights get the N most frequent tokens' ``markov_w2`` rows and their ``d2t``,
+  and :meth:`DSparkV1DraftModel.draft_logits` scores those N rows of the LM head
+  only (one sliced copy of its weight, made once).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
 import logging
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
 from vllm_dspark.checkpoint.io import canonical_name
+from vllm_dspark.checkpoint.token_frequency import draft_vocab_ids, load_frequency_table
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.rope import rope_cos_sin, rope_inv_freq_and_scale
+from vllm_dspark.serving.settings import DSparkSettingsError, settings_of
 from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
 
 logger = logging.getLogger("vllm_dspark")
@@ -107,6 +116,11 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.markov: MarkovWeights | None = None
+        # A serve-time draft vocabulary: its target ids [N] ascending (None: the whole vocabulary), the
+        # target's end-of-sequence ids it always holds, and the LM head rows it scores (made once).
+        self.draft_ids: torch.Tensor | None = None
+        self._end_ids = target_end_ids(vllm_config.model_config)
+        self._head_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (source weight, [N, H] rows)
         self._install_exact_rotary(hf_config)
         reason = _grouped_rms_norm_broken()
         if reason is not None:
@@ -151,14 +165,90 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         loaded = super().load_weights(canon())
         no_markov = bool(getattr(self.config, "dspark_no_markov_head", False))
         head, conf = self.model.markov_head, self.model.confidence_head
+        w2 = None if no_markov else head.markov_w2.weight.data
+        d2t = None
+        self.draft_ids = self._choose_draft_vocab()
+        if self.draft_ids is not None:
+            ids = self.draft_ids
+            d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+            if w2 is not None:
+                w2 = w2[ids.to(w2.device)]
         # Raw tensors: vLLM's CPU backend may repack linear weights and leave .weight empty.
         self.markov = MarkovWeights.build(
             vocab=self.vocab_size,
             markov_w1=None if no_markov else head.markov_w1.weight.data,
-            markov_w2=None if no_markov else head.markov_w2.weight.data,
+            markov_w2=w2, d2t=d2t,
             conf_weight=conf.proj.weight.data if conf is not None else None,
             conf_bias=conf.proj.bias.data if conf is not None and conf.proj.bias is not None else None,
             hidden_size=self.config.hidden_size,
             conf_with_markov=bool(conf is not None and conf.with_markov),
             device=self.lm_head.weight.device if hasattr(self.lm_head, "weight") else None)
         return loaded
+
+    # ------------------------------------------------------------------ the serve-time draft vocabulary
+    def _choose_draft_vocab(self) -> torch.Tensor | None:
+        """[N] int64 target ids, ascending, when the ``draft_vocab`` setting is on; else None."""
+        try:
+            s = settings_of(self.config)
+        except DSparkSettingsError:
+            return None  # built outside the config patch (a test's stand-in): the whole vocabulary
+        if s.draft_vocab is None:
+            return None
+        lp = self.logits_processor
+        if lp.soft_cap is not None or getattr(lp, "logits_as_input", False):
+            raise DSparkSettingsError(
+                f"draft_vocab {s.draft_vocab}: this drafter's logits are soft-capped (or taken as input), which "
+                "the draft vocabulary's sliced LM head does not reproduce; set draft_vocab to 'off'")
+        table = load_frequency_table(str(s.draft_vocab_table))
+        if table.vocab_size != self.vocab_size:
+            raise DSparkSettingsError(
+                f"draft_vocab_table: {s.draft_vocab_table} counts {table.vocab_size} tokens, the target has "
+                f"{self.vocab_size}; rebuild it with the target's tokenizer")
+        ids = draft_vocab_ids(table, s.draft_vocab, required=self._end_ids)
+        logger.info("vllm_dspark: draft vocabulary: %d of %d tokens (covering %.1f%% of the table's tokens)",
+                    len(ids), self.vocab_size, 100.0 * table.coverage(ids))
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def draft_logits(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The base logits the Markov stage drafts from: :meth:`compute_logits` over the whole vocabulary,
+        or, with a draft vocabulary, ``hidden @ W[ids].T`` (times the logits processor's scale) over its
+        N rows in draft ids, from one sliced copy of the LM head's weight (the target's, once shared)."""
+        if self.draft_ids is None:
+            return self.compute_logits
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        head, lp = self.lm_head, self.logits_processor
+        if getattr(head, "tp_size", 1) > 1 or not isinstance(head.quant_method, UnquantizedEmbeddingMethod):
+            raise DSparkSettingsError(
+                "draft_vocab: the LM head is split across tensor-parallel ranks or quantized, and the draft "
+                "vocabulary slices a plain one; set draft_vocab to 'off'")
+        weight = head.weight.data
+        if self._head_rows is None or self._head_rows[0] is not weight:
+            dtype = getattr(lp, "head_dtype", None) or weight.dtype
+            rows = weight[self.draft_ids.to(weight.device)].to(dtype).contiguous()  # [N, H]
+            self._head_rows = (weight, rows)
+        rows = self._head_rows[1]
+        scale = float(lp.scale)
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            out = torch.nn.functional.linear(hidden.to(rows.dtype), rows)  # [T, N]
+            return out * scale if scale != 1.0 else out
+
+        return logits
+
+
+def target_end_ids(model_config) -> list[int]:
+    """The target's end-of-sequence / end-of-turn ids: its config's ``eos_token_id`` and those of its
+    ``generation_config.json`` (a draft vocabulary always holds them)."""
+    found: list = []
+    hf = getattr(model_config, "hf_text_config", None) or getattr(model_config, "hf_config", None)
+    found.append(getattr(hf, "eos_token_id", None))
+    path = Path(str(getattr(model_config, "model", ""))) / "generation_config.json"
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        found.append(json.loads(path.read_text()).get("eos_token_id"))
+    out: list[int] = []
+    for v in found:
+        for i in v if isinstance(v, (list, tuple)) else [v]:
+            if isinstance(i, int) and not isinstance(i, bool) and i >= 0 and i not in out:
+                out.append(i)
+    return out

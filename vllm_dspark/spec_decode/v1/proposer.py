@@ -497,8 +497,10 @@ class DSparkProposer(DFlashProposer):
         mw = self.model.markov
         if self._stage is None or self._stage_src is not mw:
             self._stage_src = mw
+            # With a draft vocabulary the model scores its N rows only (draft_logits); else compute_logits.
+            logits = getattr(self.model, "draft_logits", None)
             self._stage = MarkovStage(mw if self.settings.use_markov else mw.without_bias(),
-                                      self.model.compute_logits)
+                                      logits() if logits is not None else self.model.compute_logits)
         return self._stage
 
     def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
