@@ -41,9 +41,9 @@ With ``--lockstep`` the cells a goal compares are stepped in turn, one step each
 (``step_cost.run_lockstep``): the speculative cell with k drafts and the floor at 1 + k
 tokens; the no-draft cell, the plain decode cell and the floor at 1 token. Back to back,
 their ratio carried the machine's second-to-second drift (the floor alone ranged 22-33 ms
-over the 9 repeats of ``docs/benchmarks/step-cost-k7-batch1-9-repeats``).
+over 9 repeats in a record git keeps: ``step-cost-k7-batch1-9-repeats``).
 
-On a shared machine, pause other work first (see the report of docs/benchmarks/step-cost).
+On a shared machine, pause other work first (``docs/benchmarks/method.md``).
 Writes ``results.json``, ``report.md`` and PNG plots into ``--out``; the analysis, the report
 and the plots are ``vllm_dspark/tools/bench/step_cost_report.py``, and ``--render-only`` makes
 them again from a record's ``results.json``.

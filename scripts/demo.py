@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,8 +78,9 @@ def main() -> int:
                for q in questions]
     configs = [EngineConfig("no-spec"), EngineConfig("dspark", dspark_spec(paths["draft"]))]
     machine = cpu_setup.describe()
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"== DSpark on SmolLM2-135M-Instruct: {len(prompts)} held-out chat prompts, greedy, batch 1 ==\n"
-          f"   {machine['cores']} cores, {machine['cpu']}, flags: {' '.join(machine['flags'])}"
+          f"   {when}, {machine['cores']} cores, {machine['cpu']}, flags: {' '.join(machine['flags'])}"
           + ("" if machine["native_bf16"] else "  (no native bf16: bf16 is emulated and slow here)"), flush=True)
 
     def quiet(msg: str) -> None:
@@ -112,7 +114,9 @@ def main() -> int:
     print(f"| {'tokens/s (bf16, median)':24} | {base['tokens_per_s']:14.1f} | {ds['tokens_per_s']:10.1f} |")
     print(f"| {'speed-up (median)':24} | {'1.00x':>14} | {ds['speedup_median']:9.2f}x |")
     print(f"| {'speed-up spread':24} | {'':14} | {lo:.2f}-{hi:.2f}x |")
-    print(f"| {'mean acceptance length':24} | {'':14} | {ds['mean_acceptance_length']:10.2f} |")
+    acc = ds["mean_acceptance_length"]
+    acc_cell = f"{acc:10.2f}" if acc == acc else f"{'-':>10}"  # NaN: no draft was verified
+    print(f"| {'mean acceptance length':24} | {'':14} | {acc_cell} |")
     print(f"per-position acceptance: {per_pos}; mean answer {mean_len:.0f} tokens")
     print(f"steps that drafted: {st['steps_drafted']} of {st['steps']} ({st['steps_probed']} probes); "
           f"draft tokens verified {st['tokens_verified_observed']}, accepted {st['tokens_accepted']}")

@@ -6,7 +6,10 @@ import re
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = ("README.md", "docs/architecture.md", "docs/training.md", "docs/deployment.md", "docs/vllm-0.33.md")
+# Every page: the README, docs/ and the benchmarks index (a new page is checked without being listed
+# here). A record's own report.md is history, written when it ran: not checked.
+DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for d in ("docs", "docs/benchmarks")
+                            for p in (REPO / d).glob("*.md")))
 # ``vllm/...`` names upstream's files, not ours.
 # Where a cited name may be relative to: the repo, the package, the tools.
 # Made when the commands run (the environment, the GPU check's first report), not shipped.
@@ -18,8 +21,11 @@ def cited_paths(text: str) -> set[str]:
     names = set()
     for token in re.findall(r"`([^`\s]+)`", text):
         token = token.split("::")[0].rstrip(",.;:")
-        if ("/" in token and re.fullmatch(r"[\w./-]+(\.py|\.cu|\.cpp|\.h|/)", token)
-                and not token.startswith(("http", "~", "/", "vllm/")) and token not in MADE_BY_RUNNING):
+        if token in MADE_BY_RUNNING:
+            continue
+        if token.startswith("docs/benchmarks/") or (  # a record is cited without a trailing slash
+                "/" in token and re.fullmatch(r"[\w./-]+(\.py|\.cu|\.cpp|\.h|\.md|\.sh|/)", token)
+                and not token.startswith(("http", "~", "/", "vllm/"))):
             names.add(token)
     return names
 

@@ -129,19 +129,23 @@ def default_pair():
 
 
 def test_the_readme_serve_line_starts_as_written(default_pair, tmp_path):
-    """README.md's ``vllm serve TARGET --speculative-config '...'`` on the default pair, with nothing
-    added but a loopback address (the tests bind nothing else) and no VLLM_CPU_KVCACHE_SPACE: the
-    plugin's KV-cache default must make it start on a machine like this one."""
+    """README.md's ``vllm serve TARGET --api-key API_KEY --speculative-config '...'`` on the default
+    pair, with nothing added but a loopback address (the tests bind nothing else) and no
+    VLLM_CPU_KVCACHE_SPACE: the plugin's KV-cache default must make it start on a machine like this
+    one. The key it names is the one a client must send."""
+    key = "readme-key"
     cmd = readme_command("vllm", "serve", placeholders={"TARGET": default_pair["target"],
-                                                         "DRAFT_DIR": default_pair["draft"]})
+                                                         "DRAFT_DIR": default_pair["draft"], "API_KEY": key})
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "dspark" and spec["model"] == default_pair["draft"]
     cmd = [VLLM, *cmd[1:], "--host", "127.0.0.1", "--port", str(free_port())]
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY")}
     log_path = tmp_path / "readme_serve.log"
     with serving(cmd, log_path, env, timeout=900) as srv:
-        status, reply = _post(srv.base + "/v1/completions", {"model": default_pair["target"], "prompt": "The capital "
-                              "of France is", "max_tokens": 8, "temperature": 0}, None)
+        body = {"model": default_pair["target"], "prompt": "The capital of France is", "max_tokens": 8,
+                "temperature": 0}
+        status, reply = _post(srv.base + "/v1/completions", body, key)
         assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
+        assert _post(srv.base + "/v1/completions", body, None)[0] == 401
     log = log_path.read_text()
     assert "vllm_dspark: CPU KV cache:" in log and "VLLM_CPU_KVCACHE_SPACE is unset" in log

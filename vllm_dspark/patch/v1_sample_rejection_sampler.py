@@ -178,7 +178,7 @@ def _make_forward(original):
     draft positions' logits, casts them to float32, clones them, and only then
     takes their argmax with torch's CPU argmax, which does not vectorise. At
     batch 32 with 7 drafts that is 224 rows of 49,152 logits: 31 ms of a
-    375 ms verify step in ``docs/benchmarks/step-cost-k7``. Here the compiled
+    375 ms verify step (record ``step-cost-k7``, in git's history). Here the compiled
     ``row_argmax`` reads those rows in place. The answer is the same: bf16 and
     fp16 widen to float32 exactly, and ties go to the first index either way.
     The accept step is :func:`greedy_accept`. Other devices keep upstream's kernels.

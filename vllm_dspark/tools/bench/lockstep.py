@@ -23,11 +23,11 @@ process came out apart, alike in every repeat of one build:
 - 7.7% from the first to the fourth of four engines (two of them DSpark) in
   the first run of this benchmark.
 
-In ``docs/benchmarks/never-lose-lockstep`` it did not follow build order in
+In the record ``never-lose-lockstep`` (git's history) it did not follow build order in
 every build. Most of it is where each engine's weights landed in memory
 (:mod:`.shared_weights`): with ``share`` every engine reads the first-built
 engine's target weights, and the record's A/A went from 0.983-1.069 to
-0.981-1.011 (``docs/benchmarks/never-lose-shared``). Two more things answer
+0.981-1.011 (record ``never-lose-shared``). Two more things answer
 what is left (the engines' own KV caches, at batch 32 as much traffic as the
 weights):
 - ``builds`` > 1 builds the engines again for each build, in a rotated order,
