@@ -43,3 +43,19 @@ def test_the_check_sees_a_path_that_is_gone():
     assert cited_paths("see `spec_decode/model_v1.py`, `tools/` and `model.py`") == {
         "spec_decode/model_v1.py", "tools/"}
     assert not (REPO / "vllm_dspark" / "spec_decode" / "model_v1.py").exists()
+
+
+def test_the_benchmarks_index_lists_every_record_with_its_command():
+    """docs/benchmarks/README.md: one row per record folder, each naming the script that made it."""
+    index = (REPO / "docs" / "benchmarks" / "README.md").read_text()
+    rows = [ln for ln in index.splitlines() if ln.startswith("| ") and "`docs/benchmarks/" in ln]
+    listed = {}
+    for row in rows:
+        record = re.search(r"`docs/benchmarks/([\w.-]+)/?`", row)
+        script = re.search(r"`(scripts/[\w.-]+\.py)", row)
+        assert record and script, f"an index row without its record or command: {row}"
+        assert (REPO / script.group(1)).exists(), script.group(1)
+        listed[record.group(1)] = row
+    folders = {p.name for p in (REPO / "docs" / "benchmarks").iterdir() if p.is_dir()} - {"gpu-check"}
+    assert folders == set(listed), (f"records not in the index: {sorted(folders - set(listed))}; "
+                                    f"indexed but gone: {sorted(set(listed) - folders)}")
