@@ -2,7 +2,8 @@
 
 The command is read from the README (the test breaks when the README changes) and run with
 its placeholders filled in and nothing added, without ``VLLM_CPU_KVCACHE_SPACE``: the plugin's
-KV-cache default must make it start on a machine like this one. One engine for the module.
+KV-cache default must make it start on a machine like this one. One engine for the module; its
+prompts file also holds a chat (``messages``), answered through the instruct target's chat template.
 Also: a memory setting that cannot be had fails in one line naming the setting, before any
 engine starts.
 """
@@ -21,6 +22,7 @@ from tests.helpers import REPO, default_pair_dirs, readme_command
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(1200)]
 PROMPTS = [{"id": "capital", "prompt": "What is the capital of France?"},
            {"id": 7, "prompt": "Write one sentence about the sea."}]
+CHAT = {"id": "chat", "messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
 
 def _env_without_kv_setting() -> dict[str, str]:
@@ -41,19 +43,26 @@ def readme_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("readme_batch")
     pair = default_pair_dirs()
     with open(tmp / "prompts.jsonl", "w") as f:
-        for p in PROMPTS:
+        for p in [*PROMPTS, CHAT]:
             f.write(json.dumps(p) + "\n")
     cmd = _command(tmp, pair)
     res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1000, env=_env_without_kv_setting())
-    return {"cmd": cmd, "res": res, "tmp": tmp}
+    return {"cmd": cmd, "res": res, "tmp": tmp, "pair": pair}
 
 
 def test_readme_batch_command_runs_as_written(readme_run):
     res = readme_run["res"]
     assert res.returncode == 0, res.stderr[-4000:]
     results = [json.loads(line) for line in (readme_run["tmp"] / "results.jsonl").read_text().splitlines()]
-    assert sorted(map(str, (r["id"] for r in results))) == sorted(str(p["id"]) for p in PROMPTS)
+    assert sorted(map(str, (r["id"] for r in results))) == sorted(str(p["id"]) for p in [*PROMPTS, CHAT])
     assert all(r["completion_tokens"] >= 1 and r["finish_reason"] in ("stop", "length") for r in results), results
+    # The chat went through SmolLM2-Instruct's template: its prompt is the template's tokens.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(readme_run["pair"]["target"])
+    rendered = tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False)
+    chat = next(r for r in results if r["id"] == "chat")
+    assert chat["prompt_tokens"] == len(tok.encode(rendered, add_special_tokens=False)), chat
     log = res.stdout + res.stderr  # vLLM logs to stdout by default
     default_line = [line for line in log.splitlines() if "vllm_dspark: CPU KV cache:" in line]
     assert len(default_line) == 1 and "VLLM_CPU_KVCACHE_SPACE is unset" in default_line[0], log[-4000:]
@@ -63,7 +72,7 @@ def test_rerunning_it_skips_what_is_done(readme_run):
     res = subprocess.run(readme_run["cmd"], cwd=REPO, capture_output=True, text=True, timeout=300,
                          env=_env_without_kv_setting())
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "2 prompts, 2 already in" in res.stderr and "0 to generate" in res.stderr
+    assert "3 prompts, 3 already in" in res.stderr and "0 to generate" in res.stderr
 
 
 def test_memory_that_cannot_be_had_fails_in_one_line(tmp_path):

@@ -2,23 +2,43 @@
 
 Used by ``scripts/batch_generate.py`` (see ``docs/deployment.md``).
 
-Input: one JSON object per line with an ``id`` (any JSON scalar, unique in the
-file; a missing id becomes ``line-<n>``, n the 1-based line number) and either
-``prompt`` (text) or ``prompt_token_ids`` (list of ints). An optional
-``sampling`` object overrides the command-line sampling for that line
-(``{"max_tokens": 64}``).
+Input: one JSON object per line, each read on its own (the formats and their checks are in
+``vllm_dspark/tools/deploy/batch_formats.py``):
 
-Output: one JSON object per finished prompt, in completion order::
+* ``{"id": ..., "prompt": "text"}``: sent as it is; with ``--apply-chat-template``, as one user
+  turn through the target's chat template;
+* ``{"id": ..., "messages": [{"role": "user", "content": "..."}, ...]}``: rendered with the
+  target tokenizer's chat template (``add_generation_prompt=True``), as ``vllm``'s chat does;
+* ``{"id": ..., "prompt_token_ids": [1, 2, 3]}``: sent as they are;
+* the OpenAI batch request ``vllm run-batch`` reads: ``{"custom_id": "r1", "method": "POST",
+  "url": "/v1/chat/completions" (or "/v1/completions"), "body": {"messages": [...], "max_tokens": 64}}``.
+
+A simple line's ``id`` is any JSON scalar, unique in the file (a missing id becomes
+``line-<n>``, n the 1-based line number), and an optional ``sampling`` object overrides the
+command-line sampling for that line (``{"max_tokens": 64}``). An OpenAI request's id is its
+``custom_id`` (a string, unique in the file), and its body's sampling fields (``max_tokens`` /
+``max_completion_tokens``, ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``, ...)
+override the command line's. A file holds either OpenAI requests or simple lines. Every line
+is checked before any engine starts (and each line still to generate has its sampling fields
+built and its chat rendered); a bad one stops the run with its line number and what to fix.
+
+Output: one JSON object per finished prompt, in completion order. For simple lines::
 
     {"id": ..., "text": ..., "token_ids": [...], "finish_reason": "length",
      "prompt_tokens": 12, "completion_tokens": 256}
+
+for OpenAI requests, the line ``vllm run-batch`` writes::
+
+    {"id": "batch_req_...", "custom_id": "r1", "error": null, "response": {"status_code": 200,
+     "request_id": ..., "body": {"object": "chat.completion", "choices": [{"message": {"role":
+     "assistant", "content": ...}, "finish_reason": ...}], "usage": {...}, ...}}}
 
 (plus ``"replica": k`` in data-parallel mode). Each result is appended and
 flushed the moment its request finishes (the loop drives the ``LLM``'s engine
 the way ``LLM.generate`` does, but writes each request as it completes instead
 of waiting for the whole batch), and fsynced at least once a second.
 
-Resume: a rerun with the same output file skips every id already in it. A
+Resume: a rerun with the same output file skips every id (``custom_id``) already in it. A
 crash can leave at most one torn last line (a record written only in part); it
 is cut off, and its prompt is generated again. A malformed line anywhere else
 means the file was edited or is not ours: the run stops and says which line.
@@ -43,18 +63,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_dspark.tools.deploy.batch_formats import (
+    OPENAI,
+    BatchInputError,
+    check_family,
+    id_key,
+    is_openai_result,
+    needs_template,
+    openai_result,
+    parse_line,
+    read_chat_template,
+    render_chats,
+    result_id,
+)
+
 # Environment the driver passes on to data-parallel replicas (per-node ones excluded).
 FORWARD_ENV_PREFIXES = ("VLLM_", "OMP_", "NCCL_", "HF_", "TRANSFORMERS_", "RAY_")
 PER_NODE_ENV = {"VLLM_HOST_IP", "CUDA_VISIBLE_DEVICES", "RAY_ADDRESS"}
 
 
-class BatchInputError(ValueError):
-    """The prompts file or the existing results file cannot be used."""
-
-
 # ------------------------------------------------------------------------- input / output files
 def read_prompts(path: str | Path) -> list[dict]:
-    """Parse the prompts JSONL; every problem names the line and the fix."""
+    """Parse and check every line of the prompts JSONL; every problem names the line and the fix."""
     path = Path(path)
     if not path.is_file():
         raise BatchInputError(f"prompts file {path}: not found")
@@ -69,34 +99,21 @@ def read_prompts(path: str | Path) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise BatchInputError(f"{path}:{n}: not valid JSON ({exc})") from None
-            if not isinstance(obj, dict):
-                raise BatchInputError(f"{path}:{n}: expected a JSON object, got {type(obj).__name__}")
-            rid = obj.get("id", f"line-{n}")
-            if not isinstance(rid, (str, int, float, bool)) and rid is not None:
-                raise BatchInputError(f"{path}:{n}: id must be a string or number, got {rid!r}")
-            key = id_key(rid)
+            rec = parse_line(obj, n, f"{path}:{n}")
+            if records:
+                check_family(records[0], rec, f"{path}:{n}")
+            key = id_key(rec["id"])
             if key in seen:
-                raise BatchInputError(f"{path}:{n}: id {rid!r} already used on line {seen[key]}; ids must "
-                                      "be unique (results are matched to prompts by id)")
+                name = "custom_id" if rec["family"] == OPENAI else "id"
+                raise BatchInputError(f"{path}:{n}: {name} {rec['id']!r} already used on line {seen[key]}; "
+                                      f"{name}s must be unique (results are matched to prompts by {name})")
             seen[key] = n
-            if "prompt" in obj and not isinstance(obj["prompt"], str):
-                raise BatchInputError(f"{path}:{n}: prompt must be a string")
-            if "prompt" not in obj and not (isinstance(obj.get("prompt_token_ids"), list)
-                                            and all(isinstance(t, int) for t in obj["prompt_token_ids"])):
-                raise BatchInputError(f"{path}:{n}: needs \"prompt\" (text) or \"prompt_token_ids\" (list of ints)")
-            if "sampling" in obj and not isinstance(obj["sampling"], dict):
-                raise BatchInputError(f"{path}:{n}: sampling must be an object of SamplingParams fields")
-            records.append({**obj, "id": rid})
+            records.append(rec)
     return records
 
 
-def id_key(rid: Any) -> str:
-    """Ids compare by their JSON text, so 1 and "1" stay different."""
-    return json.dumps(rid, sort_keys=True)
-
-
 def load_done(path: str | Path, *, repair: bool = True) -> tuple[dict[str, dict], str | None]:
-    """Results already in ``path``: ``({id_key: record}, note)``.
+    """Results already in ``path``: ``({id_key of its id (custom_id for OpenAI results): record}, note)``.
 
     A torn last line (no newline, or not JSON) is cut off when ``repair`` is
     true; ``note`` then says so. A bad line before the last one raises.
@@ -129,7 +146,7 @@ def load_done(path: str | Path, *, repair: bool = True) -> tuple[dict[str, dict]
                     break
                 raise BatchInputError(f"{path}:{n}: not a result record; the results file was edited or is "
                                       "not from this script. Fix or remove that line, or write to a new file")
-            done.setdefault(id_key(obj["id"]), obj)
+            done.setdefault(id_key(result_id(obj)), obj)
         good_end += len(raw) + 1
     else:
         if tail.strip():
@@ -262,6 +279,51 @@ class SamplingDefaults:
         return SamplingParams(**kw)
 
 
+def check_sampling(records: Iterable[dict], sampling: SamplingDefaults, where: str) -> None:
+    """Build every record's SamplingParams now, so a bad field stops the run before an engine starts."""
+    for rec in records:
+        try:
+            sampling.params_for(rec)
+        except Exception as exc:  # noqa: BLE001 - vLLM's own message says what is wrong with the value
+            what = "body" if rec["family"] == OPENAI else "sampling"
+            raise BatchInputError(f"{where}:{rec['line']}: bad sampling field in {what} "
+                                  f"({type(exc).__name__}: {exc})") from None
+
+
+def load_tokenizer(model: str) -> Any:
+    """The target's tokenizer, as the engine loads it (tests replace this)."""
+    from vllm.tokenizers import get_tokenizer
+
+    return get_tokenizer(model)
+
+
+def prepare(todo: list[dict], args: Any) -> list[dict]:
+    """Chats rendered to token ids with the target's chat template; OpenAI records told the model name."""
+    chat_template = read_chat_template(args.chat_template) if args.chat_template else None
+    if any(needs_template(r, args.apply_chat_template) for r in todo):
+        try:
+            tokenizer = load_tokenizer(args.model)
+        except Exception as exc:  # noqa: BLE001 - reported in one line, before any engine starts
+            raise BatchInputError(f"cannot load the tokenizer of {args.model} to render chat templates: "
+                                  f"{type(exc).__name__}: {exc}") from None
+        todo = render_chats(todo, tokenizer, plain_as_chat=args.apply_chat_template, chat_template=chat_template,
+                            where=args.input, model=args.model)
+    return [{**r, "model": args.model} if r["family"] == OPENAI else r for r in todo]
+
+
+def check_results_match(done: dict[str, dict], records: list[dict], output: str) -> None:
+    """OpenAI requests resume only from OpenAI results, simple lines only from simple results."""
+    if not done or not records:
+        return
+    openai_in = records[0]["family"] == OPENAI
+    for rec in done.values():
+        if is_openai_result(rec) != openai_in:
+            kinds = ("OpenAI batch results", "simple results")
+            have, want = (kinds[1], kinds[0]) if openai_in else (kinds[0], kinds[1])
+            raise BatchInputError(f"{output} holds {have}, but the prompts file needs {want}; "
+                                  "write to a new --output")
+
+
 def _prompt_of(record: dict) -> Any:
     if "prompt" in record:
         return record["prompt"]
@@ -270,9 +332,12 @@ def _prompt_of(record: dict) -> Any:
 
 def _result(record: dict, out: Any) -> dict:
     c = out.outputs[0]
-    return {"id": record["id"], "text": c.text, "token_ids": list(c.token_ids),
-            "finish_reason": c.finish_reason, "prompt_tokens": len(out.prompt_token_ids or []),
-            "completion_tokens": len(c.token_ids)}
+    res = {"id": record["id"], "text": c.text, "token_ids": list(c.token_ids),
+           "finish_reason": c.finish_reason, "prompt_tokens": len(out.prompt_token_ids or []),
+           "completion_tokens": len(c.token_ids)}
+    if record.get("family") == OPENAI:
+        return openai_result(record, res, record.get("model", ""))
+    return res
 
 
 def generate_stream(llm: Any, records: Iterable[dict], sampling: SamplingDefaults, *,
@@ -405,7 +470,14 @@ def build_parser():
     p.add_argument("--model", required=True, help="target model directory or name")
     p.add_argument("--draft", default=None, help="DSpark drafter checkpoint directory (omit: no speculation)")
     p.add_argument("--num-speculative-tokens", type=int, default=7, help="draft tokens per step (default 7)")
-    p.add_argument("--input", required=True, help="prompts JSONL (id + prompt or prompt_token_ids per line)")
+    p.add_argument("--input", required=True,
+                   help="prompts JSONL: per line, an id and one of prompt, messages (a chat) or prompt_token_ids; "
+                        "or OpenAI batch requests (custom_id, method, url, body) as `vllm run-batch` reads")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="send each plain \"prompt\" as one user turn through the target's chat template "
+                        "(\"messages\" and OpenAI chat requests always go through it)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template (file, or the template text) instead of the tokenizer's")
     p.add_argument("--output", required=True, help="results JSONL (appended to; resumable)")
     p.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="TP size of each replica")
     p.add_argument("--data-parallel", type=int, default=1,
@@ -521,14 +593,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.limit is not None:
         records = records[:args.limit]
     todo = [r for r in records if id_key(r["id"]) not in done]
+    sampling = SamplingDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed, ignore_eos=args.ignore_eos)
+    try:  # every line checked before an engine starts
+        check_results_match(done, records, args.output)
+        if todo:
+            check_sampling(todo, sampling, args.input)
+            todo = prepare(todo, args)
+    except BatchInputError as exc:
+        err(str(exc))
+        return 2
     finished = len(records) - len(todo)
     stray = len(set(done) - {id_key(r["id"]) for r in records})
     err(f"{len(records)} prompts, {finished} already in {args.output}, {len(todo)} to generate"
         + (f" ({stray} results in the output have no prompt in the input)" if stray else ""))
     if not todo:
         return 0
-    sampling = SamplingDefaults(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                seed=args.seed, ignore_eos=args.ignore_eos)
     kw = llm_kwargs_from(args)
     note = memory_flags_win(args)
     if note:
