@@ -39,6 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.ops.markov_cases import with_draft_vocab  # noqa: E402  (one case builder for op, GPU and emulator)
 from vllm_dspark.ops.markov_reference import (  # noqa: E402
     markov_draft_reference,
     markov_max_norms,
@@ -186,26 +187,6 @@ def make_case(R, B, V, rank, dtype=torch.float32, *, seed=0, base_std=1.0, w_std
         conf_w_markov=(torch.randn(rank, generator=g) * 0.3) if (conf and conf_w) else None,
         seeds=torch.randint(-2**62, 2**62, (R,), generator=g),
     )
-
-
-def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
-    """``case`` as a draft-vocabulary checkpoint: its vocabulary becomes the draft vocabulary Vd,
-    ``markov_w1`` gets ``target_vocab`` rows and ``d2t`` maps the draft ids onto a random subset of
-    the target ids (ascending when ``sort``, as exported; shuffled otherwise). Every other anchor
-    is a target id outside the draft vocabulary."""
-    g = torch.Generator().manual_seed(seed)
-    R, _, Vd = case["base_logits"].shape
-    rank = case["markov_w2"].shape[1]
-    perm = torch.randperm(target_vocab, generator=g)
-    tgt = perm[:Vd].sort().values if sort else perm[:Vd]
-    out = dict(case)
-    out["d2t"] = tgt - torch.arange(Vd)
-    out["markov_w1"] = (torch.randn(target_vocab, rank, generator=g) * w_std).to(case["markov_w1"].dtype)
-    out["markov_w2"] = (torch.randn(Vd, rank, generator=g) * w_std).to(case["markov_w2"].dtype)
-    anchors = perm[Vd:][torch.randint(0, target_vocab - Vd, (R,), generator=g)]
-    anchors[1::2] = tgt[torch.randint(0, Vd, (R // 2,), generator=g)]
-    out["anchor_ids"] = anchors
-    return out
 
 
 def temperatures(R, mode):
