@@ -178,6 +178,21 @@ def test_wrapper_checks_the_values_once_per_tensor_version():
         _call_wrapper(case, d2t)
 
 
+def test_another_tensor_at_a_checked_address_is_checked_again():
+    # A freed tensor's address (and version 0) comes back for new tensors: CI once saw a bad map
+    # pass as "checked" because an earlier good one had lived at the same address. Here two views
+    # share one address and one version counter, and numpy writes the bad values without a bump.
+    case = _case(2, 3, seed=17)
+    base = case["d2t"].clone()
+    good = base.view(VD)
+    _call_wrapper(case, good)
+    base.numpy()[:] = (case["d2t"] - 5000).numpy()
+    bad = base.view(VD)
+    assert (bad.data_ptr(), bad._version) == (good.data_ptr(), good._version)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        _call_wrapper(case, bad)
+
+
 def test_wrapper_takes_inference_tensors():
     # vLLM builds its weights under inference mode: such a d2t has no version counter.
     case = _case(2, 3, seed=16)

@@ -141,6 +141,7 @@ Checked by
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -172,8 +173,10 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _load_error: str | None = None
 _loaded: bool | None = None
 _logged_reasons: set[str] = set()
-# d2t tensors whose values were range-checked: (data_ptr, version, numel, device, w1 rows).
-_checked_d2t: dict[tuple, None] = {}
+# d2t tensors whose values were range-checked: id -> (weak ref, version, data_ptr, w1 rows). The
+# weak ref is what makes the entry sound: a freed tensor's id and address are reused by new
+# tensors (version 0 again), which a key of (address, version) would wrongly take as checked.
+_checked_d2t: dict[int, tuple[weakref.ref, int, int, int]] = {}
 
 
 class MarkovDraftOutput(NamedTuple):
@@ -244,13 +247,13 @@ def _check_d2t_once(d2t: torch.Tensor, draft_vocab: int, w1_rows: int, device: t
     tensors (vLLM loads under ``torch.inference_mode``) have no version counter: once per tensor."""
     check_d2t(d2t, draft_vocab, device=device)
     version = -1 if d2t.is_inference() else d2t._version
-    key = (d2t.data_ptr(), version, d2t.numel(), str(d2t.device), w1_rows)
-    if key in _checked_d2t:
+    entry = _checked_d2t.get(id(d2t))
+    if entry is not None and entry[0]() is d2t and entry[1:] == (version, d2t.data_ptr(), w1_rows):
         return
     check_d2t(d2t, draft_vocab, w1_rows)
     if len(_checked_d2t) >= 16:
         _checked_d2t.clear()
-    _checked_d2t[key] = None
+    _checked_d2t[id(d2t)] = (weakref.ref(d2t), version, d2t.data_ptr(), w1_rows)
 
 
 def _log_once(reason: str) -> None:
