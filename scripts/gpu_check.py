@@ -17,8 +17,10 @@ When ``$OUT`` is set (the tool's output folder), the script also copies
 that they come back. Copy them into ``docs/benchmarks/gpu-check/``. The run
 needs the tree that travels (tracked plus untracked-not-ignored files) to be at
 most 64 MiB. ``report.json``'s ``carry`` and the dry run say whether it is.
-Today it is not: the tree is about 86.5 MiB, mostly four weight files, while
-this check needs 0.2 MiB of it.
+The whole tree is not (about 88 MiB, mostly four weight files, while this
+check needs 0.2 MiB of it): ``python scripts/device_tree.py slim`` takes the
+weights off the tree for the run and ``restore`` puts them back (see
+``docs/markov-op.md``).
 
 In under 8 minutes (``--budget-s``, 420 s by default; each part stops
 starting new work when its share is spent) it does four things:
