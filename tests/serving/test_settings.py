@@ -181,7 +181,9 @@ def test_v2_names_every_table_setting_it_ignores():
     assert not_applied_on_v2({}) is None
     msg = not_applied_on_v2({"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.9", "VLLM_DSPARK_WINDOW": "64", "OTHER": "1"})
     assert msg.startswith("VLLM_DSPARK_CONFIDENCE_THRESHOLD, VLLM_DSPARK_WINDOW are not applied")
-    assert "OTHER" not in msg
+    assert "OTHER" not in msg and "copy source" not in msg
+    msg = not_applied_on_v2({"VLLM_DSPARK_COPY": "auto"})
+    assert msg.startswith("VLLM_DSPARK_COPY is not applied") and "upstream's speculator owns the draft" in msg
 
 
 def test_a_settings_error_carries_each_problem_as_a_value():

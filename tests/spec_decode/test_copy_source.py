@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import numpy as np
+import torch
 import pytest
 
 from vllm_dspark.spec_decode.common.copy_source import MATCH_CAP, CopySource, SuffixIndex, match_confidence
@@ -74,7 +75,9 @@ def test_bad_match_lengths_are_refused():
 def test_the_source_drafts_per_request_and_follows_each_request():
     texts = {"a": [1, 2, 3, 4, 1, 2], "b": [7, 7, 8]}
     order = ["a", "b"]
-    src = CopySource(lambda row: (order[row], texts[order[row]]), min_match=2, max_match=4)
+    # (request id, head, tail): the runner's array and this step's new tokens, split anywhere.
+    src = CopySource(lambda row: (order[row], texts[order[row]][:-1], texts[order[row]][-1:]), min_match=2,
+                     max_match=4)
     assert isinstance(src, DraftSource)
     batch = DraftBatch(rows=[0, 1], anchors=None, num_tokens=3, sampled=np.zeros(2, bool))  # type: ignore[arg-type]
     d = src.draft(batch)
@@ -89,6 +92,22 @@ def test_the_source_drafts_per_request_and_follows_each_request():
     assert d.tokens[1].tolist() == [9, 0, 0]
     src.retain(["b"])
     assert list(src.indexes) == ["b"]
+
+
+def test_head_and_tail_index_as_one_text():
+    rng = random.Random(7)
+    text = [rng.randrange(5) for _ in range(600)]
+    whole = CopySource(lambda row: ("r", text, ()), min_match=2, max_match=5)
+    split = {}
+    pieces = CopySource(lambda row: ("r", *split["r"]), min_match=2, max_match=5)
+    batch = DraftBatch(rows=[0], anchors=None, num_tokens=4, sampled=np.zeros(1, bool))  # type: ignore[arg-type]
+    for end in (3, 300, 301, 420, 600):
+        cut = max(0, end - rng.randrange(1, 4))
+        split["r"] = (np.asarray(text[:cut]), text[cut:end])
+        whole.tokens_of = lambda row, end=end: ("r", text[:end], ())
+        a, b = whole.draft(batch), pieces.draft(batch)
+        assert torch.equal(a.tokens, b.tokens) and whole.last_matches.tolist() == pieces.last_matches.tolist()
+        assert pieces.indexes["r"].tokens == text[:end]
 
 
 def test_confidence_ranks_longer_matches_higher():

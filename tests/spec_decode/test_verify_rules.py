@@ -59,7 +59,10 @@ def test_counters_and_log_line():
     assert s.as_dict() == {"steps": 3, "steps_drafted": 2, "steps_probed": 1, "steps_skipped": 1, "requests": 4,
                            "tokens_drafted": 23, "tokens_admitted": 12, "empty_drafts": 1, "drafts_observed": 2,
                            "tokens_verified_observed": 10, "tokens_accepted": 5,
-                           "accepted_per_position": [1, 1, 1, 1, 1]}
+                           "accepted_per_position": [1, 1, 1, 1, 1],
+                           "by_source": {"dspark": {"drafts": 2, "verified": 10, "accepted": 5}}}
     assert s.line("budget") == ("DSpark verification (budget): admitted 12/23 drafted tokens (52.2%), 1 empty "
                                 "drafts, 1/3 steps without drafting, 1 probes; accepted 5/10 verified draft tokens "
-                                "(50.0%)")
+                                "(50.0%)")  # the drafter alone: no per-source split
+    s.add_acceptance(4, 4, "copy")
+    assert s.line("budget").endswith("accepted 9/14 verified draft tokens (64.3%) [copy 4/4, dspark 5/10]")

@@ -85,6 +85,8 @@ class DSparkSettings:
     # A serve-time draft vocabulary: its size (None: the target's whole vocabulary) and its table.
     draft_vocab: int | None = None
     draft_vocab_table: str | None = None
+    copy: str = _default("copy")  # "auto": the copy source drafts beside the drafter (budget only)
+    copy_min_match: int = _default("copy_min_match")
     sources: tuple[tuple[str, str], ...] = field(default=())
 
     # -------------------------------------------------------------- derived
@@ -93,6 +95,11 @@ class DSparkSettings:
         """Whether requests may verify fewer than the block's drafts (needs synchronous scheduling)."""
         return (self.verification != "fixed" or self.max_draft_tokens < self.num_draft_tokens
                 or self.max_draft_context is not None)
+
+    @property
+    def copies(self) -> bool:
+        """Whether the copy source drafts: ``copy: auto`` under the budget, which makes the choice."""
+        return self.copy == "auto" and self.verification == "budget"
 
     def trust(self) -> dict[str, float | int]:
         """The budget's :class:`~vllm_dspark.spec_decode.common.budget.TrustConfig` arguments (a plain dict:
@@ -119,6 +126,7 @@ class DSparkSettings:
                 f"{self.source('verification')}), window {window} ({self.source('window')}), "
                 f"context gate {gate}, draft sampling {self.draft_sampling}"
                 + (f", draft vocabulary {self.draft_vocab}" if self.draft_vocab else "")
+                + (f", copy source (min match {self.copy_min_match})" if self.copies else "")
                 + ("" if self.use_markov else ", Markov bias DISABLED (ablation)"))
 
     def context_note(self) -> str | None:
@@ -187,8 +195,10 @@ def not_applied_on_v2(environ: Mapping[str, str] | None = None) -> str | None:
     ignored = [row.env for row in SETTINGS if row.env and env.get(row.env)]
     if not ignored:
         return None
+    copy = ("; the copy source (VLLM_DSPARK_COPY) does not run there: upstream's speculator owns the draft"
+            if "VLLM_DSPARK_COPY" in ignored else "")
     return (f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not applied on vLLM 0.33's V2 path; "
-            "use the speculative config's enable_adaptive_verification (fed by the confidence head)")
+            "use the speculative config's enable_adaptive_verification (fed by the confidence head)" + copy)
 
 
 def settings_of(hf_config: Any) -> DSparkSettings:
@@ -317,5 +327,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         probe_tokens=int(trust["probe_tokens"]), probe_period=int(trust["probe_period"]),
         probe_max_period=int(trust["probe_max_period"]), reject_run=int(trust["reject_run"]),
         draft_vocab=draft_vocab, draft_vocab_table=table if draft_vocab is not None else None,
+        copy=values.get("copy", _default("copy")),
+        copy_min_match=int(values.get("copy_min_match", _default("copy_min_match"))),
         sources=tuple(sorted(sources.items())))
 

@@ -156,6 +156,7 @@ class Setting:
 
 VERIFICATION_MODES = ("budget", "threshold", "product", "fixed")
 DRAFT_SAMPLING_MODES = ("auto", "greedy")
+COPY_MODES = ("auto", "off")
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("verification", "VLLM_DSPARK_VERIFICATION", "verification", choice(*VERIFICATION_MODES), None,
@@ -214,6 +215,15 @@ SETTINGS: tuple[Setting, ...] = (
                    integer=True), 8, "8",
             "budget: drafting steps in a row with every draft rejected that stop admitting (sooner when the "
             "run was unlikely; 0: never)"),
+    Setting("copy", "VLLM_DSPARK_COPY", None, choice(*COPY_MODES), "off", "`off` (until measured)",
+            "`auto`: each request may also draft by copying the continuation of the longest earlier match "
+            "of its latest tokens in its own prompt and output; the budget calibrates the copy's acceptance "
+            "by match length, probes it while unproven, and gives each request the source that promises "
+            "more (with `verification: budget` only; the drafter's forward is skipped when every request "
+            "copies); `off`: the drafter alone"),
+    Setting("copy_min_match", "VLLM_DSPARK_COPY_MIN_MATCH", None,
+            number(1, 64, "tokens the latest suffix must match to copy", integer=True), 2, "2",
+            "the copy source's shortest match, in tokens (longer: fewer, surer copies)"),
     Setting("draft_vocab", "VLLM_DSPARK_DRAFT_VOCAB", None, size_or_off, None, "off",
             "a full-vocabulary drafter drafts over the N most frequent tokens of `draft_vocab_table` only "
             "(its LM head and Markov stage score N rows instead of the target's V; lossless: a token outside "

@@ -169,9 +169,15 @@ class Plan:
     rows: tuple[int, ...] = ()
     tokens: int = 0
     sources: tuple[str, ...] | None = None  # None: the drafter for probe and draft, nothing for skip
+    # The copy source's drafts decided with the plan (``copy_policy.py``): kept per request, and
+    # whether they were sent as a probe or by the allocation. Empty when the copy sends nothing
+    # now, or when a drafting step leaves the choice to ``choose_among``.
+    copy_kept: tuple[int, ...] = ()
+    copy_mode: PlanMode = PlanMode.SKIP
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", PlanMode(self.mode))
+        object.__setattr__(self, "copy_mode", PlanMode(self.copy_mode))
         if self.sources is None:
             object.__setattr__(self, "sources", () if self.mode is PlanMode.SKIP else (MODEL_SOURCE,))
 
@@ -180,12 +186,19 @@ class Plan:
         """Whether any source runs its forward this step."""
         return bool(self.sources)
 
+    @property
+    def drafter_runs(self) -> bool:
+        """Whether the drafter's forward (block forward and Markov stage) runs this step."""
+        return MODEL_SOURCE in (self.sources or ())
+
     def to_wire(self) -> tuple:
-        return (str(self.mode), self.rows, self.tokens, self.sources)
+        return (str(self.mode), self.rows, self.tokens, self.sources, self.copy_kept, str(self.copy_mode))
 
     @classmethod
     def from_wire(cls, w: Sequence) -> Plan:
-        return cls(PlanMode(w[0]), tuple(int(x) for x in w[1]), int(w[2]), tuple(str(x) for x in w[3]))
+        copy_kept = tuple(int(x) for x in w[4]) if len(w) > 4 else ()
+        return cls(PlanMode(w[0]), tuple(int(x) for x in w[1]), int(w[2]), tuple(str(x) for x in w[3]),
+                   copy_kept, PlanMode(w[5]) if len(w) > 5 else PlanMode.SKIP)
 
 
 @dataclass(frozen=True)
@@ -275,12 +288,14 @@ class BudgetPolicy:
         """The verify step just run: ``kind`` (the :class:`PlanMode`) of the step that proposed, and
         one :class:`Feedback` per request that sent drafts (or its 4-tuple)."""
         seen = [f for f in map(Feedback.of, results) if f.verified > 0]
-        if not seen:
-            return
-        # What was expected of these drafts' first positions, by source (before they are observed).
-        first = {src: self.calibrator_of(src).levels()[:, 0] for src in {f.source for f in seen}}
+        # What was expected of the drafter's first positions (before they are observed).
+        first = {MODEL_SOURCE: self.calibrator.levels()[:, 0]}
         for f in seen:
             self.calibrator_of(f.source).observe(f.confidence, f.verified, f.accepted, f.sampled)
+        # The states below are the drafter's: another source's drafts (a copy) are no evidence of it.
+        seen = [f for f in seen if f.source == MODEL_SOURCE]
+        if not seen:
+            return
         accepted_any = any(f.accepted > 0 for f in seen)
         t = self.trust
         if kind == PlanMode.PROBE:

@@ -124,25 +124,35 @@ class CopySource:
     """Drafts from each request's own text (a :class:`DraftSource`).
 
     ``tokens_of(row)`` gives a batch row's request id and its accepted tokens so far (prompt and
-    output); the source extends its index by what is new since the last step and drops the index
-    of a request it no longer sees (:meth:`retain`).
+    output) as two pieces, ``head`` and ``tail`` (the runner's token array, which it reads without
+    a copy, and the few tokens this step added); the source extends its index by what is new since
+    the last step and drops the index of a request it no longer sees (:meth:`retain`).
     """
 
     name = COPY_SOURCE
 
-    def __init__(self, tokens_of: Callable[[int], tuple[str, Sequence[int]]], *, min_match: int = 2,
+    def __init__(self, tokens_of: Callable[[int], tuple[str, Sequence[int], Sequence[int]]], *, min_match: int = 2,
                  max_match: int = 8):
         self.tokens_of = tokens_of
         self.min_match, self.max_match = min_match, max_match
         self.indexes: dict[str, SuffixIndex] = {}
         self.last_matches: np.ndarray = np.zeros(0, dtype=np.int64)
 
-    def _index(self, req_id: str, tokens: Sequence[int]) -> SuffixIndex:
+    def _index(self, req_id: str, head: Sequence[int], tail: Sequence[int] = ()) -> SuffixIndex:
+        """The request's index, extended to ``head + tail``."""
         idx = self.indexes.get(req_id)
-        if idx is None or len(idx) > len(tokens) or (len(idx) and idx.tokens[-1] != tokens[len(idx) - 1]):
+        size, cut = len(head) + len(tail), len(head)
+
+        def at(j: int) -> int:
+            return int(head[j]) if j < cut else int(tail[j - cut])
+
+        if idx is None or len(idx) > size or (len(idx) and idx.tokens[-1] != at(len(idx) - 1)):
             # New, or its text changed under us (preempted and recomputed): index it anew.
             idx = self.indexes[req_id] = SuffixIndex(self.min_match, self.max_match)
-        idx.extend(tokens[len(idx):])
+        start = len(idx)
+        if start < cut:
+            idx.extend(head[start:])
+        idx.extend(tail[max(0, start - cut):])
         return idx
 
     def retain(self, req_ids: Sequence[str]) -> None:
@@ -157,8 +167,8 @@ class CopySource:
         conf = torch.zeros(len(rows), n, dtype=torch.float32)
         matches = np.zeros(len(rows), dtype=np.int64)
         for i, row in enumerate(rows):
-            req_id, seq = self.tokens_of(row)
-            got, match = self._index(req_id, seq).propose(n)
+            req_id, head, tail = self.tokens_of(row)
+            got, match = self._index(req_id, head, tail).propose(n)
             if got:
                 tokens[i, :len(got)] = torch.tensor(got, dtype=torch.int64)
                 conf[i, :len(got)] = match_confidence(match)

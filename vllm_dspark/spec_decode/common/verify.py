@@ -80,6 +80,8 @@ class VerifyStats:
         for f in self.FIELDS:
             setattr(self, f, 0)
         self.accepted_per_position: list[int] = []  # drafts whose position j was accepted (vLLM's per-pos)
+        # source -> [drafts observed, tokens verified, tokens accepted] (the drafter, the copy source)
+        self.by_source: dict[str, list[int]] = {}
 
     def add_step(self, *, drafted: bool, cap: int, kept: Sequence[int], probe: bool = False) -> None:
         with self._lock:
@@ -99,8 +101,12 @@ class VerifyStats:
             self.tokens_admitted += int(sum(kept))
             self.empty_drafts += sum(1 for k in kept if k == 0)
 
-    def add_acceptance(self, verified: int, accepted: int) -> None:
+    def add_acceptance(self, verified: int, accepted: int, source: str = "dspark") -> None:
         with self._lock:
+            per = self.by_source.setdefault(source, [0, 0, 0])
+            per[0] += 1 if verified > 0 else 0
+            per[1] += verified
+            per[2] += accepted
             self.drafts_observed += 1 if verified > 0 else 0
             self.tokens_verified_observed += verified
             self.tokens_accepted += accepted
@@ -112,7 +118,9 @@ class VerifyStats:
     def as_dict(self) -> dict:
         with self._lock:
             return {**{f: getattr(self, f) for f in self.FIELDS},
-                    "accepted_per_position": list(self.accepted_per_position)}
+                    "accepted_per_position": list(self.accepted_per_position),
+                    "by_source": {k: dict(zip(("drafts", "verified", "accepted"), v, strict=True))
+                                  for k, v in self.by_source.items()}}
 
     def line(self, mode: str) -> str:
         d = self.as_dict()
@@ -121,4 +129,12 @@ class VerifyStats:
         return (f"DSpark verification ({mode}): admitted {d['tokens_admitted']}/{d['tokens_drafted']} drafted "
                 f"tokens ({adm:.1%}), {d['empty_drafts']} empty drafts, {d['steps_skipped']}/{d['steps']} steps "
                 f"without drafting, {d['steps_probed']} probes; accepted {d['tokens_accepted']}/"
-                f"{d['tokens_verified_observed']} verified draft tokens ({acc:.1%})")
+                f"{d['tokens_verified_observed']} verified draft tokens ({acc:.1%})" + _by_source(d["by_source"]))
+
+
+def _by_source(per: dict) -> str:
+    """The per-source split, when more than the drafter drafted."""
+    if set(per) <= {"dspark"}:
+        return ""
+    parts = [f"{k} {v['accepted']}/{v['verified']}" for k, v in sorted(per.items())]
+    return " [" + ", ".join(parts) + "]"

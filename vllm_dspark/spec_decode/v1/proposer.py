@@ -51,8 +51,11 @@ from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, s
 from vllm_dspark.spec_decode.common import budget
 from vllm_dspark.spec_decode.common.budget import Feedback, Plan, PlanMode
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
+from vllm_dspark.spec_decode.common.copy_policy import CopyPolicy
+from vllm_dspark.spec_decode.common.copy_source import CopySource
 from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
+from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
@@ -71,6 +74,15 @@ class Decision:
     caps: list[int]  # per request: the cap, or 0 past max_draft_context
     sampled: np.ndarray  # [batch] bool
     plan: Plan
+    copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
+
+
+@dataclass(frozen=True)
+class CopyOffer:
+    """The copy source's drafts for the whole batch, made before the plan (they are what it weighs)."""
+
+    drafts: Drafts  # [batch, N] target ids; confidence 0 past each copy
+    lengths: list[int]  # copied tokens per request (0: no match, or not drafting)
 
 
 @dataclass(frozen=True)
@@ -91,6 +103,7 @@ class StepState:
     step: int = 0  # steps decided so far (the trace's step number)
     sent: dict[str, SentDrafts] = field(default_factory=dict)  # req id -> drafts the next step judges
     sent_kind: PlanMode = PlanMode.SKIP  # the plan of the step that sent them
+    copy_kind: PlanMode = PlanMode.SKIP  # how that step sent its copies (probe or allocation)
     last_end: float | None = None  # when the previous propose returned
     step_start: float | None = None  # when the runner's execute_model began (None: no runner patch)
     decided: Decision | None = None  # made by propose_before_glue, used by the step's propose
@@ -122,6 +135,16 @@ class DSparkProposer(DFlashProposer):
         self.stats = VerifyStats()
         self.policy = budget.BudgetPolicy(self.n_draft, budget.TrustConfig(**s.trust()))
         self.calibrator = self.policy.calibrator
+        self.copy_source: CopySource | None = None
+        self.copy_policy: CopyPolicy | None = None
+        if s.copies:
+            self.copy_source = CopySource(self._copy_tokens, min_match=s.copy_min_match,
+                                          max_match=max(8, s.copy_min_match))
+            self.copy_policy = CopyPolicy(self.policy)
+        elif s.copy == "auto":
+            logger.info("vllm_dspark: copy: auto drafts with verification 'budget' only (which weighs the copy "
+                        "against the drafter); with %r the drafter drafts alone", s.verification)
+        self._copy_rows: dict[int, tuple] = {}  # batch row -> (req id, accepted prefix, tail) this step
         self.costs: CostModel | None = None
         if s.costs is not None:
             self.costs = CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
@@ -142,7 +165,7 @@ class DSparkProposer(DFlashProposer):
         # Seconds per phase, summed over steps (report(): where a step's time goes).
         self.timings: dict[str, float] = dict.fromkeys(
             ("outside_propose", "feedback", "held", "context_flush", "layout", "context_kv_only", "block_forward",
-             "markov_stage", "verify"), 0.0)
+             "markov_stage", "copy_source", "verify"), 0.0)
         logger.info("vllm_dspark: DSpark proposer ready: %s", s.describe())
         note = s.context_note()
         if note:
@@ -211,10 +234,10 @@ class DSparkProposer(DFlashProposer):
         """Decide, run the sources the plan names, allocate, record."""
         cad = common_attn_metadata
         d = self.state.take_decision() or self._decide(num_speculative_tokens, cad, num_rejected_tokens_gpu,
-                                                       sampling_metadata)
+                                                       sampling_metadata, next_token_ids)
         decode_only = int(cad.max_query_len) == 1
         t = self._flush_if_due(d.plan, decode_only, d.req_ids, d.t1)
-        if d.plan.mode is PlanMode.SKIP and decode_only and self.state.hold_ok:
+        if not d.plan.runs and decode_only and self.state.hold_ok:
             self._hold(d.req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
                        token_indices_to_sample, num_rejected_tokens_gpu)
             self._lap("held", t)
@@ -225,22 +248,28 @@ class DSparkProposer(DFlashProposer):
             target_token_ids, next_token_ids, target_positions, hidden, token_indices_to_sample, cad,
             num_rejected_tokens_gpu)
         t_layout = t = self._lap("layout", t)
-        if not d.plan.runs:
+        if not d.plan.drafter_runs:
             # The drafter's K/V of this step's tokens must still be written, or later drafts would
             # read a context with holes in it; the block forward and the Markov stage are skipped.
             n = self._dflash_num_context
             self.model.precompute_and_store_context_kv(
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
-            self._lap("context_kv_only", t)
-            return self._no_drafts(d)
+            t = self._lap("context_kv_only", t)
+            if d.copy is None or not any(d.plan.copy_kept):
+                return self._no_drafts(d)
+            kept = list(d.plan.copy_kept)
+            return self._record(d, d.copy.drafts, kept, next_token_ids, t, t_layout,
+                                [COPY_SOURCE if k else MODEL_SOURCE for k in kept])
 
         rows = self._block_forward(num_query, sample_rows, block_cad, mm_embed_inputs)
         t = self._lap("block_forward", t)
         drafts = self._run_sources(d, rows, next_token_ids, sampling_metadata, cad)
         t = self._lap("markov_stage", t)
-        kept = self._allocate(d, drafts)
-        return self._record(d, drafts, kept, next_token_ids, t, t_layout)
+        kept, picks = self._allocate(d, drafts)
+        if d.copy is not None and COPY_SOURCE in picks:
+            drafts = _merge(drafts, d.copy.drafts, picks, d.sampled)
+        return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
 
     def _block_forward(self, num_query: int, sample_rows: torch.Tensor, block_cad, mm_embed_inputs):
         """The drafter's non-causal pass over every request's block: the sampled rows [R * N, H]."""
@@ -273,28 +302,56 @@ class DSparkProposer(DFlashProposer):
             return drafts
         return _widen(drafts, d.batch, idx, n)
 
-    def _allocate(self, d: Decision, drafts: Drafts) -> list[int]:
-        """Drafts to verify per request: a probe's fixed few, or the verification rule's choice."""
-        if d.plan.mode is PlanMode.PROBE:
-            return self.policy.probe_kept(d.plan, d.caps)
-        return self._verify(drafts.confidence, d.caps, d.sampled)
+    def _allocate(self, d: Decision, drafts: Drafts) -> tuple[list[int], list[str]]:
+        """Drafts to verify per request and the source each request's come from: a probe's fixed few
+        (and the copies the plan sends beside it), or the verification rule's choice (with copies:
+        the budget's choice among both sources)."""
+        plan = d.plan
+        if plan.mode is PlanMode.PROBE:
+            kept = self.policy.probe_kept(plan, d.caps)
+            picks = [MODEL_SOURCE] * d.batch
+            for i, k in enumerate(plan.copy_kept):
+                if k and not kept[i]:
+                    kept[i], picks[i] = k, COPY_SOURCE
+            return kept, picks
+        if d.copy is None or COPY_SOURCE not in (plan.sources or ()):
+            return self._verify(drafts.confidence, d.caps, d.sampled), [MODEL_SOURCE] * d.batch
+        copy = d.copy
+        confs = {MODEL_SOURCE: drafts.confidence.cpu().numpy().astype(np.float64),
+                 COPY_SOURCE: copy.drafts.confidence.numpy().astype(np.float64)}
+        probed = list(plan.copy_kept) or [0] * d.batch  # rows probing the copy keep their probe
+        caps = [0 if p else c for c, p in zip(d.caps, probed, strict=True)]
+
+        def choose() -> tuple[list[int], list[str]]:
+            alloc, picks = self.policy.choose_among(confs, caps, d.sampled)
+            kept = [min(k, copy.lengths[i]) if p == COPY_SOURCE else k
+                    for i, (k, p) in enumerate(zip(alloc.kept, picks, strict=True))]
+            for i, k in enumerate(probed):
+                if k:
+                    kept[i], picks[i] = k, COPY_SOURCE
+            return kept, picks
+
+        kept, picks = self.consensus.decide(choose)
+        return list(kept), list(picks)
 
     def _record(self, d: Decision, drafts: Drafts, kept: list[int], next_token_ids, t: float,
-                t_layout: float) -> list[list[int]]:
-        """Counters, the feedback the next step awaits, the trace and the drafter's observed cost."""
-        self.stats.add_step(drafted=True, cap=d.cap, kept=kept, probe=d.plan.mode is PlanMode.PROBE)
+                t_layout: float, picks: list[str]) -> list[list[int]]:
+        """Counters, the feedback the next step awaits, the trace and the drafter's observed cost.
+        ``picks``: the source of each request's drafts."""
+        self.stats.add_step(drafted=True, cap=d.cap, kept=kept,
+                            probe=d.plan.mode is PlanMode.PROBE or not d.plan.drafter_runs)
         conf_l = drafts.confidence.tolist()
         tok_l = drafts.tokens.tolist()
-        self.state.sent = {rid: SentDrafts(conf_l[i], kept[i], bool(d.sampled[i]), drafts.source)
+        self.state.sent = {rid: SentDrafts(conf_l[i], kept[i], bool(d.sampled[i]), picks[i])
                            for i, rid in enumerate(d.req_ids) if kept[i] > 0}
-        self.state.sent_kind = d.plan.mode
+        self.state.sent_kind, self.state.copy_kind = d.plan.mode, d.plan.copy_mode
         if drafts.probs is not None:
             self._last_draft_probs = drafts.probs
         if self.settings.trace_path:
-            self._trace(d.req_ids, next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled)
+            self._trace(d.req_ids, next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled, picks)
         end = time.perf_counter()
         self.timings["verify"] += end - t
-        if self.costs is not None and d.plan.mode is PlanMode.DRAFT:
+        if self.costs is not None and d.plan.mode is PlanMode.DRAFT and d.plan.drafter_runs:
             # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
             self.costs.observe_draft(d.batch, (end - t_layout) * self._draft_time_scale())
             self._check_stale()
@@ -308,7 +365,8 @@ class DSparkProposer(DFlashProposer):
         self.timings[phase] += now - since
         return now
 
-    def _decide(self, num_speculative_tokens, cad, num_rejected, sampling_metadata) -> Decision:
+    def _decide(self, num_speculative_tokens, cad, num_rejected, sampling_metadata,
+                next_token_ids=None) -> Decision:
         """The start of every step: the previous drafts' feedback, then this step's plan (made once)."""
         t0 = time.perf_counter()
         st = self.state
@@ -323,10 +381,15 @@ class DSparkProposer(DFlashProposer):
         gated = self._context_gate(cad, batch)
         caps = [0 if g else cap for g in gated]
         sampled = self._sampled_requests(sampling_metadata, batch).numpy()
-        plan = self._plan(caps, sampled)
+        offer = None
+        if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
+            t_copy = time.perf_counter()
+            offer = self._copy_offer(req_ids, caps, cad, num_rejected, next_token_ids)
+            self._lap("copy_source", t_copy)
+        plan = self._plan(caps, sampled, offer)
         t1 = time.perf_counter()
         self.timings["feedback"] += t1 - t0
-        return Decision(t1, batch, req_ids, cap, caps, sampled, plan)
+        return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offer)
 
     def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
                             states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
@@ -343,6 +406,8 @@ class DSparkProposer(DFlashProposer):
         st = self.state
         if st.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
             return None  # feedback needs the rejected counts, or the first hold checks the layout
+        if self.copy_source is not None:
+            return None  # the copy weighs this step's new token, which the glue prepares
         d = self._decide(num_speculative_tokens, cad, None, sampling_metadata)
         if d.plan.mode is not PlanMode.SKIP:
             st.decided = d
@@ -365,7 +430,7 @@ class DSparkProposer(DFlashProposer):
     def _no_drafts(self, d: Decision) -> list[list[int]]:
         """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
         self.stats.add_step(drafted=False, cap=d.cap, kept=[0] * d.batch)
-        self.state.sent, self.state.sent_kind = {}, PlanMode.SKIP
+        self.state.sent, self.state.sent_kind, self.state.copy_kind = {}, PlanMode.SKIP, PlanMode.SKIP
         self.state.last_end = time.perf_counter()
         self._maybe_log()
         return [[] for _ in range(d.batch)]
@@ -418,8 +483,9 @@ class DSparkProposer(DFlashProposer):
     def _draft_time_scale(self) -> float:
         return float(self._divergence().get("draft_time_scale", 1.0))
 
-    def _plan(self, caps: list[int], sampled: np.ndarray) -> Plan:
-        """What this step runs, the same on every TP rank."""
+    def _plan(self, caps: list[int], sampled: np.ndarray, offer: CopyOffer | None = None) -> Plan:
+        """What this step runs, the same on every TP rank (the copy's offer is: every rank indexes
+        the same tokens)."""
         if max(caps, default=0) <= 0:
             return budget.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
         if self.settings.verification != "budget":
@@ -427,8 +493,57 @@ class DSparkProposer(DFlashProposer):
         if self.costs is None:
             raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
                                "hook did not run (is the vllm_dspark plugin registered in the worker?)")
-        wire = self.consensus.decide(lambda: self.policy.plan(caps, sampled).to_wire())
-        return Plan.from_wire(wire)
+
+        def plan() -> tuple:
+            p = self.policy.plan(caps, sampled)
+            if offer is not None and self.copy_policy is not None and any(offer.lengths):
+                p = self.copy_policy.plan(p, offer.drafts.confidence.numpy(), offer.lengths, caps, sampled)
+            return p.to_wire()
+
+        return Plan.from_wire(self.consensus.decide(plan))
+
+    # ------------------------------------------------------------------ the copy source
+    def _copy_offer(self, req_ids: list[str], caps: list[int], cad, num_rejected, next_token_ids) -> CopyOffer:
+        """The copy source's drafts for every request that may draft this step."""
+        assert self.copy_source is not None
+        self._copy_rows = self._copy_texts(req_ids, cad, num_rejected, next_token_ids)
+        self.copy_source.retain(req_ids)
+        rows = [i for i in range(len(req_ids)) if caps[i] > 0 and i in self._copy_rows]
+        n = self.n_draft
+        tokens = torch.zeros(len(req_ids), n, dtype=torch.int64)
+        conf = torch.zeros(len(req_ids), n, dtype=torch.float32)
+        lengths = [0] * len(req_ids)
+        if rows:
+            got = self.copy_source.draft(DraftBatch(rows=rows, anchors=next_token_ids, num_tokens=n,
+                                                    sampled=np.zeros(len(req_ids), dtype=bool)))
+            tokens[rows], conf[rows] = got.tokens, got.confidence
+            for j, i in enumerate(rows):
+                lengths[i] = int((got.confidence[j] > 0).sum())
+        return CopyOffer(Drafts(tokens, conf, None, COPY_SOURCE, "copy"), lengths)
+
+    def _copy_texts(self, req_ids: list[str], cad, num_rejected, next_token_ids) -> dict[int, tuple]:
+        """Each decoding request's known text: the runner's accepted tokens, the drafts this step's
+        verify accepted (still in its spec slots: the runner's bookkeeping runs after the drafter) and
+        the new token. A request mid-prefill has none yet."""
+        if self.runner is None:
+            return {}
+        ib = self.runner.input_batch
+        n = len(req_ids)
+        qlen = np.diff(cad.query_start_loc_cpu[: n + 1].numpy())
+        rej = num_rejected.tolist() if num_rejected is not None else [0] * n
+        nxt = next_token_ids[:n].tolist()
+        out = {}
+        for i, rid in enumerate(req_ids):
+            n0 = int(ib.num_tokens_no_spec[i])
+            spec = int(ib.num_computed_tokens_cpu[i]) + int(qlen[i]) - n0  # drafts this step verified
+            if spec < 0:
+                continue  # a prefill chunk: the prompt is not all in yet
+            accepted = max(0, spec - int(rej[i]))
+            out[i] = (rid, ib.token_ids_cpu[i, : n0 + accepted], (int(nxt[i]),))
+        return out
+
+    def _copy_tokens(self, row: int) -> tuple[str, Sequence[int], Sequence[int]]:
+        return self._copy_rows[row]
 
     def mark_step_start(self) -> None:
         """The runner's ``execute_model`` began (``v1-runner-step-clock`` patch).
@@ -462,13 +577,16 @@ class DSparkProposer(DFlashProposer):
             kept = sent.kept
             accepted = kept if rej is None else max(0, min(kept, kept - int(rej[i])))
             results.append(Feedback(sent.confidence, kept, accepted, sent.sampled, sent.source))
-            self.stats.add_acceptance(kept, accepted)
+            self.stats.add_acceptance(kept, accepted, sent.source)
             if self.settings.trace_path:
                 records.append({"step": st.step, "req_id": rid, "verified": kept, "accepted": accepted,
                                 "confidence": sent.confidence[:kept], "sampled": sent.sampled,
-                                "kind": str(st.sent_kind)})
+                                "kind": str(st.copy_kind if sent.source == COPY_SOURCE else st.sent_kind),
+                                "source": sent.source})
         # Every rank learns from the same acceptances; only the deciding rank's policy decides.
         self.policy.feedback(st.sent_kind, results)
+        if self.copy_policy is not None:
+            self.copy_policy.feedback(st.copy_kind, results)
         if records:
             self._write_trace(records)
 
@@ -539,13 +657,15 @@ class DSparkProposer(DFlashProposer):
         return list(self.consensus.decide(lambda: self.policy.choose(c, caps, sampled).kept))
 
     # ------------------------------------------------------------------ observability
-    def _trace(self, req_ids, anchors, tokens, conf, kept, sampled) -> None:
+    def _trace(self, req_ids, anchors, tokens, conf, kept, sampled, picks) -> None:
         pos = self.positions[: len(req_ids) * self.block].view(-1, self.block)[:, 0].tolist()
         recs = [{"step": self.state.step, "pid": os.getpid(), "req_id": rid, "pos": pos[i], "anchor": anchors[i],
                  "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
                  "verification": self.settings.verification, "threshold": self.settings.threshold,
                  # Sampled drafts are drawn by draft_sampling (dense, per position), greedy ones by the op.
-                 "path": "sampled" if sampled[i] else self.markov_stage.last_path}
+                 "source": picks[i],
+                 "path": "copy" if picks[i] == COPY_SOURCE else
+                 "sampled" if sampled[i] else self.markov_stage.last_path}
                 for i, rid in enumerate(req_ids)]
         self._write_trace(recs)
 
@@ -576,6 +696,7 @@ class DSparkProposer(DFlashProposer):
                 "step_clock": {"marks": self.state.step_marks,
                                "from": "execute_model" if self.state.step_marks else "previous propose"},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
+                "copy": None if self.copy_policy is None else self.copy_policy.report(),
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
 
 
@@ -598,3 +719,23 @@ def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
         probs = torch.zeros(batch, n, drafts.probs.shape[-1], dtype=torch.float32, device=drafts.probs.device)
         probs[rows, :k] = drafts.probs
     return Drafts(tokens, conf, probs, drafts.source, drafts.path)
+
+
+def _merge(model: Drafts, copy: Drafts, picks: list[str], sampled: np.ndarray) -> Drafts:
+    """The model's drafts with the rows that picked the copy replaced by it. A sampled row's copy is a
+    deterministic proposal: its q is one-hot on the copied token (the rejection sampler's ratio test
+    is then exact); greedy rows need no q."""
+    rows = [i for i, p in enumerate(picks) if p == COPY_SOURCE]
+    dev = model.tokens.device
+    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
+    tokens, conf = model.tokens.clone(), model.confidence.clone()
+    tokens[idx] = copy.tokens[rows].to(dev)
+    conf[idx] = copy.confidence[rows].to(dev)
+    probs = model.probs
+    if probs is not None:
+        probs = probs.clone()
+        for i in rows:
+            probs[i].zero_()
+            if sampled[i]:
+                probs[i].scatter_(-1, tokens[i].to(probs.device)[:, None], 1.0)
+    return Drafts(tokens, conf, probs, model.source, model.path)

@@ -1,0 +1,177 @@
+"""When the copy source's drafts are sent, and when the drafter's forward can be skipped for them.
+
+The copy source (``copy_source.py``) offers, per request, up to N tokens copied from its own text
+and a confidence that ranks them by match length. Whether they are worth verifying is the
+budget's question, answered with the budget's machinery on the copy's own evidence:
+
+* its own :class:`~vllm_dspark.spec_decode.common.calibration.Calibrator` (``BudgetPolicy.
+  calibrator_of(COPY_SOURCE)``), which learns acceptance per position and per confidence bin,
+  so per match length; nothing is believed before it is measured;
+* the same :func:`~vllm_dspark.spec_decode.common.budget.allocate` against the same verify
+  cost. A copy costs no forward, so its slots pay as soon as their survival outweighs their
+  verify time;
+* probes while it is unproven: when the calibrated survival admits nothing but its optimistic
+  bound would, the longest matches verify ``probe_tokens`` copied tokens each, with a wait that
+  doubles after a probe with nothing accepted and halves after an accepted one (the drafter's
+  probe rhythm, kept apart: a copy's evidence says nothing about the drafter's).
+
+On a step the drafter drafts in full, each request takes the source whose calibrated survival
+promises more (``BudgetPolicy.choose_among``). When the drafter's measured levels promise no
+request more than its copy does, the plan drops the drafter's forward (``sources`` = copy only):
+only its context K/V is stored, as on any step without a forward.
+
+Pure logic (numpy); under TP only the deciding rank runs it and the plan is broadcast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from vllm_dspark.spec_decode.common.budget import BudgetPolicy, Feedback, Plan, PlanMode, allocate, survival
+from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
+
+
+class CopyPolicy:
+    """The copy source's decisions, beside the drafter's :class:`BudgetPolicy` (which it shares
+    the cost model, the trust settings and the calibrators with)."""
+
+    def __init__(self, policy: BudgetPolicy):
+        self.policy = policy
+        self.calibrator = policy.calibrator_of(COPY_SOURCE)
+        self.period = max(1, policy.trust.probe_period)
+        self.wait = self.period
+        self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only"), 0)
+
+    # -------------------------------------------------------------- evidence
+    def feedback(self, kind: PlanMode, results: Sequence[Feedback]) -> None:
+        """The copy drafts just verified (``kind``: how they were sent). The calibrator learns in
+        :meth:`BudgetPolicy.feedback`; here only the probe rhythm moves."""
+        seen = [f for f in results if f.verified > 0 and f.source == COPY_SOURCE]
+        if not seen or kind is not PlanMode.PROBE:
+            return
+        t = self.policy.trust
+        if any(f.accepted > 0 for f in seen):
+            self.counters["probes_accepted"] += 1
+            self.period = max(max(1, t.probe_period), self.period // 2)
+            self.wait = min(self.wait, self.period)
+        else:
+            self.period = min(max(1, t.probe_max_period), self.period * 2)
+            self.wait = self.period
+
+    # -------------------------------------------------------------- pieces
+    def survival(self, conf: np.ndarray, lengths: Sequence[int], sampled: np.ndarray, *,
+                 optimistic: bool = False) -> np.ndarray:
+        """[R, N] calibrated survival of each request's copy (0 past its copied length)."""
+        conf = np.asarray(conf, dtype=np.float64)
+        if optimistic:
+            lv = self.calibrator.levels_optimistic()[np.asarray(sampled, dtype=np.int64)]
+            s = survival(lv[:, :conf.shape[1]])
+        else:
+            s = survival(self.calibrator.calibrate(conf, sampled))
+        return np.where(np.arange(conf.shape[1])[None, :] < np.asarray(lengths)[:, None], s, 0.0)
+
+    def expected(self, surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
+        """[R] expected accepted tokens within each request's cap."""
+        within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64)[:, None]
+        return np.where(within, surv, 0.0).sum(1)
+
+    def model_expected(self, caps: Sequence[int], sampled: np.ndarray, n: int) -> np.ndarray:
+        """[R] what the drafter is expected to get accepted, from its measured levels (its head's word
+        is not in yet: its forward has not run)."""
+        return self.expected(self.policy.level_survival(sampled)[:, :n], caps)
+
+    def _probe(self, conf: np.ndarray, lengths: Sequence[int], caps: Sequence[int],
+               sampled: np.ndarray, free: np.ndarray, extra: int) -> list[int]:
+        """A probe's kept list (all zero when no probe is due or could pay)."""
+        r = len(caps)
+        none = [0] * r
+        self.wait -= 1
+        if self.wait > 0:
+            return none
+        self.wait = self.period
+        t = self.policy.trust
+        if t.probe_tokens <= 0 or t.probe_requests <= 0:
+            return none
+        opt = self.survival(conf, lengths, sampled, optimistic=True)
+        eff = [int(c) if f else 0 for c, f in zip(caps, free, strict=True)]
+        assert self.policy.costs is not None
+        if sum(allocate(opt, eff, self.policy.costs, extra_tokens=extra).kept) == 0:
+            self.period = min(max(1, t.probe_max_period), self.period * 2)
+            self.wait = self.period
+            return none
+        # The longest matches first (their confidence ranks them), ties by row.
+        rows = [i for i in np.argsort(-np.asarray(conf)[:, 0], kind="stable").tolist() if eff[i] > 0]
+        kept = list(none)
+        for i in rows[:t.probe_requests]:
+            kept[i] = min(t.probe_tokens, eff[i], int(lengths[i]))
+        self.counters["probes"] += 1
+        return kept
+
+    # -------------------------------------------------------------- the plan
+    def plan(self, model: Plan, conf: np.ndarray, lengths: Sequence[int], caps: Sequence[int],
+             sampled: np.ndarray) -> Plan:
+        """``model`` (the drafter's plan for this step) with the copy's part added.
+
+        ``conf`` [R, N]: the copy's confidences (0 where nothing was copied), ``lengths`` [R]: copied
+        tokens per request. A drafting step leaves the choice to ``choose_among`` once the drafter
+        has drafted, unless every request does at least as well on its copy (the forward is then
+        dropped); a probing or skipped step sends what the copy's own allocation admits for the
+        requests the probe does not use.
+        """
+        r = len(caps)
+        lengths = [int(x) for x in lengths]
+        drafter_caps = [int(c) for c in caps]
+        caps = [min(int(c), n) for c, n in zip(caps, lengths, strict=True)]  # the copy's own
+        if r == 0 or max(caps, default=0) <= 0 or self.policy.costs is None:
+            return model
+        surv = self.survival(conf, lengths, sampled)
+        if model.mode is PlanMode.DRAFT:
+            return self._with_drafting(model, conf, surv, lengths, caps, drafter_caps, sampled)
+        free = np.ones(r, dtype=bool)
+        extra = 0
+        if model.mode is PlanMode.PROBE:
+            free[list(model.rows)] = False
+            extra = len(model.rows) * model.tokens
+        eff = [c if f else 0 for c, f in zip(caps, free, strict=True)]
+        kept = allocate(surv, eff, self.policy.costs, extra_tokens=extra).kept
+        mode = PlanMode.DRAFT
+        if sum(kept) == 0:
+            kept, mode = self._probe(conf, lengths, caps, sampled, free, extra), PlanMode.PROBE
+        if sum(kept) == 0:
+            return model
+        self.counters["steps_sent"] += 1
+        return Plan(model.mode, model.rows, model.tokens, (*(model.sources or ()), COPY_SOURCE), tuple(kept), mode)
+
+    def _with_drafting(self, model: Plan, conf: np.ndarray, surv: np.ndarray, lengths: Sequence[int],
+                       caps: Sequence[int], drafter_caps: Sequence[int], sampled: np.ndarray) -> Plan:
+        """A drafting step's copy part. Every request at least as well off on its copy: the forward
+        is dropped. Some copy promising more: ``choose_among`` picks per request after the forward.
+        None, but its optimistic bound would for some: those rows probe the copy (else an unproven
+        copy would never be tried beside a drafter that wins every tie)."""
+        assert self.policy.costs is not None
+        model_exp = self.model_expected(drafter_caps, sampled, surv.shape[1])
+        copy_exp = self.expected(surv, caps)
+        live = np.asarray(caps) > 0  # requests with a copy
+        if np.all((copy_exp >= model_exp) | (np.asarray(drafter_caps) <= 0)):
+            kept = allocate(surv, caps, self.policy.costs).kept
+            if sum(kept):
+                self.counters["steps_copy_only"] += 1
+                self.counters["steps_sent"] += 1
+                return Plan(model.mode, model.rows, model.tokens, (COPY_SOURCE,), tuple(kept), PlanMode.DRAFT)
+        if np.any((copy_exp > model_exp) & live):
+            return Plan(model.mode, model.rows, model.tokens, (MODEL_SOURCE, COPY_SOURCE))
+        opt = self.expected(self.survival(conf, lengths, sampled, optimistic=True), caps)
+        free = (opt > model_exp) & live
+        if not free.any():
+            return model
+        kept = self._probe(conf, lengths, caps, sampled, free, 0)
+        if sum(kept) == 0:
+            return model
+        self.counters["steps_sent"] += 1
+        return Plan(model.mode, model.rows, model.tokens, (MODEL_SOURCE, COPY_SOURCE), tuple(kept), PlanMode.PROBE)
+
+    def report(self) -> dict:
+        return {"period": self.period, "wait": self.wait, **self.counters,
+                "calibration": self.calibrator.table()}
