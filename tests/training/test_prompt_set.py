@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from vllm_dspark.tools.training import prompt_set, sharegpt
-from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
 
 RECORD = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "smollm2" / "train_prompts.npz"
 
@@ -74,7 +74,8 @@ def test_the_recorded_training_prompts_are_disjoint_from_every_evaluation_prompt
     rec = prompt_set.read_record(RECORD)
     hashes = set(int(h) for h in rec["hashes"])
     assert len(hashes) > 1000 and rec["minhash"].shape == (len(rec["hashes"]), prompt_set.NUM_PERM)
-    evals = chat_eval_prompts() + humaneval_prompts()
+    evals = chat_eval_prompts() + humaneval_prompts() + copy_eval_prompts()
+    assert len(copy_eval_prompts()) == 16
     assert not hashes & {prompt_set.prompt_hash(p) for p in evals}
     # The filter dropped every prompt holding >= NEAR_DUP of an evaluation prompt's n-grams. 16 MinHash
     # values estimate Jaccard to about +-0.12, so 12 of 16 equal would be a near-duplicate that slipped.

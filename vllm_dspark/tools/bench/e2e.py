@@ -47,7 +47,7 @@ def default_pair(num_prompts: int | None = None) -> Pair:
     from transformers import AutoTokenizer
 
     from vllm_dspark.tools import default_pair as dp
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
 
     paths = dp.default_paths()
     tok = AutoTokenizer.from_pretrained(paths["target"])
@@ -59,7 +59,8 @@ def default_pair(num_prompts: int | None = None) -> Pair:
     ablation = dp.draft_dir("dflash")
     return Pair("smollm2", paths["target"], paths["draft"],
                 str(ablation) if (ablation / "config.json").is_file() else None,
-                {"chat": chat(chat_eval_prompts(num_prompts)), "humaneval": chat(humaneval_prompts(num_prompts))})
+                {"chat": chat(chat_eval_prompts(num_prompts)), "humaneval": chat(humaneval_prompts(num_prompts)),
+                 "copy": chat(copy_eval_prompts(num_prompts))})
 
 
 def toy_pair(num_prompts: int | None = None) -> Pair:
@@ -79,13 +80,15 @@ def dspark_spec(draft: str, block: int = 7, **dspark) -> dict:
 
 
 def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
-    """No speculation, n-gram, the DFlash-style ablation, DSpark (defaults) and DSpark verifying every draft."""
+    """No speculation, n-gram, the DFlash-style ablation, DSpark (defaults), DSpark with the copy source
+    and DSpark verifying every draft."""
     out = [EngineConfig("no-spec"),
            EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block, "prompt_lookup_max": 4,
                                   "prompt_lookup_min": 2})]
     if pair.ablation:
         out.append(EngineConfig("dflash-ablation", dspark_spec(pair.ablation, block)))
     out.append(EngineConfig("dspark", dspark_spec(pair.draft, block)))
+    out.append(EngineConfig("dspark-copy", dspark_spec(pair.draft, block, copy="auto")))
     # Every draft verified: the drafter's acceptance, which the budget's selectivity cannot flatter,
     # and the fixed length the budget's speed is held against.
     out.append(EngineConfig("dspark-fixed", dspark_spec(pair.draft, block, verification="fixed")))

@@ -201,6 +201,14 @@ def chat_eval_prompts(limit: int | None = None) -> list[str]:
     return prompts[:limit] if limit else prompts
 
 
+def copy_eval_prompts(limit: int | None = None) -> list[str]:
+    """The hand-written copy-heavy set (never used in training): code edits that restate the code,
+    paragraphs to correct in full, answers that quote a document. What the copy source is for."""
+    path = Path(str(resources.files("vllm_dspark") / "assets" / "smollm2" / "copy_eval.jsonl"))
+    prompts = [json.loads(x)["prompt"] for x in path.read_text().splitlines() if x.strip()]
+    return prompts[:limit] if limit else prompts
+
+
 def _humaneval_rows() -> list[dict]:
     import gzip
     import importlib.metadata as md
