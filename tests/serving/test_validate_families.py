@@ -88,15 +88,19 @@ def test_unknown_architecture_and_causal_exports_are_refused_by_name(tmp_path):
 
 
 @pytest.mark.parametrize("changes,needle", [
-    ({"markov_head_type": "gated"}, "markov_head_type: 'gated'"),
-    ({"markov_head_type": "rnn"}, "markov_head_type: 'rnn'"),
     ({"draft_vocab_size": 40}, "draft_vocab_size: 40"),
 ])
-def test_heads_and_draft_vocabularies_parse_but_wait_for_the_markov_stage(tmp_path, changes, needle):
+def test_draft_vocabularies_parse_but_wait_for_the_markov_stage(tmp_path, changes, needle):
     ckpt = save(tmp_path / "ckpt", tiny_config(**changes))
     msg = refusal(ckpt)
     assert needle in msg and "Markov stage does not serve it yet" in msg
     assert msg.count("\n  - ") == 1  # the checkpoint itself is valid: that is the only problem
+
+
+@pytest.mark.parametrize("head", ["gated", "rnn"])
+def test_gated_and_rnn_heads_validate_for_serving(tmp_path, head):
+    cfg, _ = serve(save(tmp_path / "ckpt", tiny_config(markov_head_type=head)))
+    assert cfg.markov_head_type == head
 
 
 def test_deepspec_and_speculators_layouts_wait_for_the_v1_loader(tmp_path):
@@ -110,7 +114,7 @@ def test_in_progress_refusals_are_one_function_and_empty_for_what_serves():
     assert v1_runner_refusal(DSparkConfig.from_json(K3_CONFIG)) is None
     gated = DSparkConfig.from_json(FAMILIES_DIR / "speculators-glm-5.2-gated-1pn.constructed.json")
     lines = in_progress_refusals(gated)
-    assert len(lines) == 3  # the gated head, the draft vocabulary, the speculators layout
+    assert len(lines) == 2  # the draft vocabulary, the speculators layout (gated heads are served)
 
 
 def test_a_servable_specforge_draft_still_validates(tmp_path):

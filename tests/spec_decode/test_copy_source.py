@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from vllm_dspark.spec_decode.common.copy_source import MATCH_CAP, CopySource, SuffixIndex, match_confidence
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, DraftSource

@@ -15,11 +15,14 @@ One draft step, anchor-first (FACTS.md):
 * base logits: target LM head on the final-normed hidden states; query ``i``
   predicts token ``p + i + 1``;
 * the Markov stage and the confidence head run left to right from the anchor
-  (``vllm_dspark.ops.markov_reference`` holds that loop).
+  (``vllm_dspark.ops.markov_reference`` holds that loop); a gated or rnn head's
+  bias reads each position's final-normed hidden row (:meth:`MarkovHead.block_bias`),
+  the confidence head reads ``markov_w1[prev]`` for every head type.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -105,10 +108,49 @@ class DraftLayer(nn.Module):
 
 
 class MarkovHead(nn.Module):
+    """W1 (previous token -> [r]) and W2 ([r] -> vocabulary bias), plus the gated head's
+    ``gate_proj`` ([h ; e] -> r) or the rnn head's ``joint_proj`` ([s ; e ; h] -> 3r)."""
+
     def __init__(self, cfg: DSparkConfig):
         super().__init__()
-        self.markov_w1 = nn.Embedding(cfg.vocab_size, cfg.markov_rank)  # [V, r]
-        self.markov_w2 = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)  # weight [V, r]
+        r, h = cfg.markov_rank, cfg.hidden_size
+        self.head_type = cfg.markov_head_type
+        self.markov_w1 = nn.Embedding(cfg.vocab_size, r)  # [V, r]
+        self.markov_w2 = nn.Linear(r, cfg.vocab_size, bias=False)  # weight [V, r]
+        if self.head_type == "gated":
+            self.gate_proj = nn.Linear(h + r, r)  # weight [r, H + r]
+        elif self.head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * r + h, 3 * r)  # weight [3r, 2r + H]
+
+    def block_bias(self, hidden: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor] | None:
+        """A gated or rnn head's bias for one block per row, ``(k, e_k [R, r]) -> [R, V]`` fp32, called for
+        k = 0, 1, ... in order (the rnn state starts at zero here); ``hidden`` [R, N, H] final-normed
+        rows. None for the vanilla head (``markov_draft_reference`` computes ``W2 e`` itself).
+
+        Written out in fp64 from the modules, one position at a time (the serving heads precompute
+        the hidden part; ``spec_decode/common/heads.py``)."""
+        if self.head_type == "vanilla":
+            return None
+        w2 = self.markov_w2.weight.double()  # [V, r]
+
+        def lin(m: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+            return x @ m.weight.double().t() + m.bias.double()
+
+        if self.head_type == "gated":
+            def gated(k: int, e: torch.Tensor) -> torch.Tensor:
+                g = torch.sigmoid(lin(self.gate_proj, torch.cat([hidden[:, k].double(), e.double()], dim=-1)))
+                return ((g * e.double()) @ w2.t()).float()
+            return gated
+
+        r = w2.shape[1]
+        s = [torch.zeros(hidden.shape[0], r, dtype=torch.float64, device=hidden.device)]
+
+        def rnn(k: int, e: torch.Tensor) -> torch.Tensor:
+            z = lin(self.joint_proj, torch.cat([s[0], e.double(), hidden[:, k].double()], dim=-1))
+            a, c, o = z[:, :r], z[:, r:2 * r], z[:, 2 * r:]
+            s[0] = torch.sigmoid(a) * s[0] + (1 - torch.sigmoid(a)) * torch.tanh(c)
+            return (torch.tanh(o) @ w2.t()).float()
+        return rnn
 
 
 class ConfidenceHead(nn.Module):
@@ -204,6 +246,9 @@ class DSparkDraftModel(nn.Module):
         """Corrected logits [..., V] (fp32) given the true previous tokens (training, checks)."""
         logits = hidden.float() @ lm_head_weight.float().t()
         if use_markov and self.markov_head is not None:
+            if self.markov_head.head_type != "vanilla":
+                raise NotImplementedError(f"teacher-forced logits of a {self.markov_head.head_type} head: draft() "
+                                          "computes that head; training here covers vanilla heads")
             e = self.markov_embed(prev_ids).float()
             logits = logits + e @ self.markov_head.markov_w2.weight.float().t()
         return logits
@@ -221,6 +266,9 @@ class DSparkDraftModel(nn.Module):
         """The sequential stage's weights in the op's form (shared with the vLLM model classes)."""
         cfg = self.config
         head, conf = self.markov_head, self.confidence_head
+        gate = joint = None
+        if head is not None:
+            gate, joint = getattr(head, "gate_proj", None), getattr(head, "joint_proj", None)
         return MarkovWeights.build(
             vocab=cfg.vocab_size,
             markov_w1=head.markov_w1.weight if head is not None else None,
@@ -228,7 +276,10 @@ class DSparkDraftModel(nn.Module):
             conf_weight=conf.proj.weight if conf is not None else None,
             conf_bias=conf.proj.bias if conf is not None else None,
             hidden_size=cfg.hidden_size, conf_with_markov=cfg.confidence_head_with_markov,
-            device=self.fc.weight.device)
+            device=self.fc.weight.device,
+            markov_head_type=head.head_type if head is not None else None,
+            gate_weight=None if gate is None else gate.weight, gate_bias=None if gate is None else gate.bias,
+            joint_weight=None if joint is None else joint.weight, joint_bias=None if joint is None else joint.bias)
 
     # ---------------------------------------------------------------- drafting
     @torch.no_grad()
@@ -272,11 +323,14 @@ class DSparkDraftModel(nn.Module):
         if seeds is None:
             seeds = torch.zeros(n, dtype=torch.long, device=device)
         mw = self.markov_weights()
+        head_bias = None
         if not use_markov:
             mw = mw.without_bias()
+        elif self.markov_head is not None:
+            head_bias = self.markov_head.block_bias(hidden)  # gated / rnn; None: vanilla
         tokens, conf = markov_draft_reference(
             base, anchor_ids, mw.markov_w1, mw.markov_w2, mw.confidence_base(hidden), mw.conf_w_markov,
-            temperature, seeds)
+            temperature, seeds, head_bias=head_bias)
         lengths = confident_prefix_length(conf, threshold)
         return DraftOutput(tokens=tokens, confidence=conf, lengths=lengths, base_logits=base, hidden=hidden)
 

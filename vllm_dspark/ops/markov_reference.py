@@ -37,6 +37,11 @@ Semantics (per request ``r``, left to right over the block's positions)::
   embedding: position 0 uses ``e = 0`` (no bias, and the confidence's Markov
   part is 0); later positions are drafted normally. Nothing reads out of bounds
   and no device-to-host check is needed, so padded or garbage rows are harmless.
+* Head variants: a gated or rnn head (``spec_decode/common/heads.py``) replaces
+  ``markov_w2 @ e`` by its own bias, which also reads each position's hidden row
+  (and, rnn, a state carried along the block): ``head_bias`` here, the Python
+  path only; the compiled op takes the vanilla head. The confidence's Markov
+  input stays ``e`` for every head.
 * Draft vocabulary (``d2t`` given, int64 [Vd] offsets): base logits, ``markov_w2``,
   tokens and logits are in draft ids ``[0, Vd)``; ``markov_w1`` [V, rank] is
   indexed by TARGET ids, so the anchor is a target id and each drafted token
@@ -240,25 +245,32 @@ def check_d2t(d2t: object, draft_vocab: int, target_vocab: int | None = None, *,
 
 
 def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
-                      embed: Callable[[torch.Tensor], torch.Tensor], bias: Callable[[torch.Tensor], torch.Tensor],
+                      embed: Callable[[torch.Tensor], torch.Tensor],
+                      bias: Callable[[int, torch.Tensor], torch.Tensor],
                       pick: Callable[[int, torch.Tensor], torch.Tensor], out_tokens: torch.Tensor,
                       out_conf: torch.Tensor, conf_base: torch.Tensor | None = None,
                       conf_w_markov: torch.Tensor | None = None, d2t: torch.Tensor | None = None) -> None:
     """DSpark's sequential stage, left to right: the one place its recurrence is written in Python.
 
-    For each position ``i``: ``e = embed(prev)``, ``logits = fp32(base[:, i]) + bias(e)``,
+    For each position ``i``: ``e = embed(prev)``, ``logits = fp32(base[:, i]) + bias(i, e)``,
     ``token = pick(i, logits)``, the confidence from ``conf_base[:, i]`` and ``e``, then
     ``prev = token`` (``token + d2t[token]`` with a draft vocabulary: ``embed`` takes target
     ids). The reference (greedy argmax or a Gumbel draw) and the sampled path
     (``spec_decode/common/draft_sampling.py``: top-k/top-p, the exact q) differ only in
     ``pick``; a head variant differs only in ``embed`` and ``bias``.
 
+    ``bias`` is called once per position, in order, with the position: a head whose bias reads
+    the position's hidden row (gated) or a state carried along the block (rnn) keeps both in
+    the closure it hands in, so one call of this function is one block per row and a fresh
+    closure starts every row's state afresh. The confidence's Markov input is ``e`` (the
+    previous token's ``markov_w1`` row) for every head.
+
     Parameters
     ----------
     base_logits : [R, B, V] base logits per position (V: the draft vocabulary when ``d2t`` is given)
     anchor_ids : [R] int64, ``prev`` of position 0 (a target id)
     embed : [R] int64 previous tokens (target ids) -> [R, rank] fp32
-    bias : [R, rank] -> [R, V] fp32 Markov bias
+    bias : (position, [R, rank] e) -> [R, V] fp32 Markov bias
     pick : (position, [R, V] fp32 corrected logits) -> [R] int64 tokens
     out_tokens : [R, B] int64, written; out_conf : [R, B] fp32, written where ``conf_base`` is given
     conf_base : [R, B] fp32 or None; conf_w_markov : [rank] fp32 or None
@@ -267,7 +279,7 @@ def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
     prev = anchor_ids.to(torch.int64)
     for i in range(base_logits.shape[1]):
         e = embed(prev)  # [R, rank] fp32
-        logits = base_logits[:, i].to(torch.float32) + bias(e)  # [R, V]
+        logits = base_logits[:, i].to(torch.float32) + bias(i, e)  # [R, V]
         tok = pick(i, logits)
         out_tokens[:, i] = tok
         if conf_base is not None:
@@ -289,6 +301,7 @@ def markov_draft_reference(
     seeds: torch.Tensor | None = None,
     return_logits: bool = False,
     d2t: torch.Tensor | None = None,
+    head_bias: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ):
     """The obvious sequential loop (see the module docstring for the semantics).
 
@@ -306,6 +319,9 @@ def markov_draft_reference(
         (base + bias, before temperature and noise).
     d2t : [V] int64 draft-vocabulary offsets or None (see the module docstring);
         tokens and logits stay in draft ids.
+    head_bias : a gated or rnn head's per-block bias, ``(position, e [R, rank]) -> [R, V]`` fp32
+        (``spec_decode/common/heads.py``), in place of the vanilla ``markov_w2 @ e``; ``markov_w2``
+        is then not read. The compiled op has no such argument: it drafts vanilla heads only.
 
     Returns
     -------
@@ -327,7 +343,10 @@ def markov_draft_reference(
     all_logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
                   if return_logits else None)
 
-    bias_of = _Bias(markov_w2)
+    bias = head_bias
+    if bias is None:
+        bias_of = _Bias(markov_w2)
+        bias = lambda i, e: bias_of(e)  # noqa: E731 (the vanilla head: memoryless, position-free)
 
     def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
         if all_logits is not None:
@@ -338,7 +357,7 @@ def markov_draft_reference(
             scores = torch.where(sampled[:, None], noisy, logits)
         return _argmax_nan_last(scores)  # first maximal index on ties
 
-    markov_recurrence(base_logits, anchor_ids, lambda prev: embed_prev(markov_w1, prev), bias_of, pick,
+    markov_recurrence(base_logits, anchor_ids, lambda prev: embed_prev(markov_w1, prev), bias, pick,
                       tokens, conf, conf_base, conf_w_markov, d2t)
 
     if return_logits:

@@ -8,8 +8,8 @@ precompute, non-causal block attention), so for a DSpark draft this patch:
 1. validates the draft against the target and resolves every DSpark setting
    (``vllm_dspark.serving``): one message listing every problem, before
    anything is built. Drafts of every checkpoint family are taken: those the
-   V1 path does not serve (other backbones, and for now gated / rnn heads,
-   draft vocabularies, DeepSpec and speculators layouts) are refused there by
+   V1 path does not serve (other backbones, and for now checkpoint draft
+   vocabularies, DeepSpec and speculators layouts) are refused there by
    name, with what serves them, instead of by vLLM's "V1 does not support";
 2. lets vLLM resolve the draft as a DFlash draft whose block is the drafter's
    full block (``num_speculative_tokens`` = block: lookahead slots and

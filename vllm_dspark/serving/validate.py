@@ -12,8 +12,9 @@ instead of reaching vLLM's "Model Runner V1 does not support: dspark":
   (Gemma4DSparkModel, K3DSparkModel) or whose name would route them to vLLM's
   plain DFlash model; one line, before anything else is checked;
 * :func:`in_progress_refusals`: what parses and validates but is not served
-  yet (gated / rnn Markov heads, draft vocabularies, the DeepSpec and
-  speculators layouts), kept in one function so it is lifted in one place.
+  yet (draft vocabularies, the DeepSpec and speculators layouts), kept in one
+  function so it is lifted in one place. Gated and rnn Markov heads are served
+  (the V1 stage drafts them in Python: ``spec_decode/common/heads.py``).
 """
 
 from __future__ import annotations
@@ -67,9 +68,6 @@ def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
     """
     waiting = "parses and validates, but the V1/V2 Markov stage does not serve it yet"
     out = []
-    if cfg.markov_head_type != "vanilla":
-        out.append(f"{cfg.key('markov_head_type')}: {cfg.markov_head_type!r}: a {cfg.markov_head_type} Markov "
-                   f"head {waiting}; only 'vanilla' heads are served today")
     if cfg.draft_vocab_size is not None:
         out.append(f"{cfg.key('draft_vocab_size')}: {cfg.draft_vocab_size} (a draft vocabulary against "
                    f"{cfg.vocab_size}) {waiting}; only full-vocabulary drafters are served today")

@@ -29,3 +29,19 @@ def expose_dspark_keys(hf_config, *, allow_no_markov: bool) -> None:
                              "serve it with method 'dflash'")
         hf_config.markov_rank = 1
         hf_config.dspark_no_markov_head = True
+
+
+def check_v2_head(hf_config) -> None:
+    """Refuse a gated or rnn Markov head on vLLM 0.33's V2 path (after :func:`expose_dspark_keys`).
+
+    Upstream's DSpark speculator builds and applies a vanilla head whatever
+    ``markov_head_type`` says, and the Markov op this plugin puts in its
+    sequential stage takes vanilla heads only: such a drafter would load and
+    draft with the wrong bias. The V1 runner serves these heads (in Python).
+    """
+    head = getattr(hf_config, "markov_head_type", None) or "vanilla"
+    if head != "vanilla":
+        raise ValueError(f"vllm_dspark: markov_head_type {head!r}: a {head} Markov head is not served on vLLM "
+                         "0.33's V2 path (upstream's DSpark speculator and the Markov op apply vanilla heads "
+                         "only); serve this drafter with vLLM 0.32's V1 runner, which drafts gated and rnn "
+                         "heads")

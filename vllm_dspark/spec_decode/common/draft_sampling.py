@@ -11,7 +11,8 @@ exactly the distribution each draft token was drawn from. Here, position by
 position (the Markov bias depends on the previous draft; the loop is
 ``markov_recurrence``, the reference's own, with this ``pick``):
 
-    logits_i = base_i + markov_w2 @ markov_w1[prev]      (fp64 bias, as the op)
+    logits_i = base_i + markov_w2 @ markov_w1[prev]      (fp64 bias, as the op; a gated or
+                                                          rnn head's own bias, ``heads.py``)
     z_i      = top_k_top_p(logits_i / T)                 (vLLM's own filter, the one the
                                                           target's distribution goes through)
     q_i      = softmax(z_i)
@@ -31,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.ops.markov_reference import embed_prev, gumbel_noise, markov_recurrence
+from vllm_dspark.ops.markov_reference import gumbel_noise, markov_recurrence
+from vllm_dspark.spec_decode.common.heads import make_head
 
 
 def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -45,7 +47,8 @@ def _top_k_top_p(z: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tenso
 @torch.no_grad()
 def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, temperature: torch.Tensor,
                   seeds: torch.Tensor, conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
-                  top_p: torch.Tensor | None = None, head=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  top_p: torch.Tensor | None = None, head=None,
+                  hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draft one block per request by sampling.
 
     Parameters
@@ -57,8 +60,9 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
     seeds : [R] int64 Gumbel seeds (one per request and decoding step)
     conf_base : [R, N] fp32 parallel part of the confidence, or None
     top_k : [R] int or None; top_p : [R] fp32 or None (vLLM's per-request tensors)
-    head : the Markov head variant (``embed``, ``bias_fn``; ``drafts.MarkovStage`` passes its own);
-        None: the vanilla head of ``mw``
+    head : the Markov head variant (``embed``, ``start``: ``spec_decode/common/heads.py``;
+        ``drafts.MarkovStage`` passes its own); None: the head ``mw`` was built for
+    hidden : [R, N, H] the backbone's hidden rows, for a head that reads them (gated, rnn)
 
     Returns
     -------
@@ -78,9 +82,7 @@ def sample_drafts(base: torch.Tensor, anchors: torch.Tensor, mw: MarkovWeights, 
         return torch.argmax(z + gumbel_noise(seeds, i, v), dim=-1)
 
     if head is None:
-        w2 = mw.markov_w2.to(torch.float64)
-        embed, bias = (lambda prev: embed_prev(mw.markov_w1, prev)), (lambda e: (e.double() @ w2.T).float())
-    else:
-        embed, bias = head.embed, head.bias_fn()
-    markov_recurrence(base, anchors, embed, bias, pick, tokens, conf, conf_base, mw.conf_w_markov, mw.d2t)
+        head = make_head(mw)
+    markov_recurrence(base, anchors, head.embed, head.start(hidden), pick, tokens, conf, conf_base,
+                      mw.conf_w_markov, mw.d2t)
     return tokens, conf, q

@@ -15,15 +15,17 @@ rows through the shared Python recurrence (``ops.markov_reference.
 markov_recurrence``, whose ``pick`` draws from the exact q). What varies between
 checkpoints sits behind two small objects the stage owns:
 
-* the **head** (:class:`VanillaHead`): its embedding of the previous token, its
-  bias, and the bound the op prunes with;
+* the **head** (``heads.py``: :class:`VanillaHead`, :class:`GatedHead`, :class:`RnnHead`): its
+  embedding of the previous token, its per-block bias, and (vanilla) the bound the op prunes
+  with. The op takes vanilla heads only: greedy rows of a gated or rnn head go through the
+  Python recurrence with an argmax pick, and ``Drafts.path`` says so (``"reference-gated"``);
 * the **vocabulary map** (:class:`IdentityVocab`, or :class:`DraftVocab` for a
   checkpoint with a draft vocabulary, ``MarkovWeights.d2t``): draft ids to
   target ids, and q from draft to target vocabulary. The op and the recurrence
   draft in draft ids (they take ``d2t`` for the next position's ``markov_w1``
   row); the stage hands target ids and target-vocabulary q to everyone else.
 
-A new head variant or vocabulary map changes this module and the op; the
+A new head variant or vocabulary map changes this module, ``heads.py`` and the op; the
 runners only ever call :meth:`MarkovStage.draft` or :meth:`MarkovStage.draft_into`.
 """
 
@@ -37,7 +39,8 @@ import numpy as np
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.ops.markov_reference import check_d2t, d2t_target_ids, embed_prev
+from vllm_dspark.ops.markov_reference import check_d2t, d2t_target_ids
+from vllm_dspark.spec_decode.common.heads import GatedHead, RnnHead, VanillaHead, make_head  # noqa: F401 (re-exported)
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE  # noqa: F401 (re-exported)
 
 
@@ -49,7 +52,7 @@ class Drafts:
     confidence: torch.Tensor  # [R, N] fp32, per-position conditional acceptance estimate (1: no head)
     probs: torch.Tensor | None  # [R, N, V] fp32 exact q of sampled rows (zero rows elsewhere), or None
     source: str = MODEL_SOURCE
-    path: str | None = None  # which implementation drafted the greedy rows ("compiled", "reference")
+    path: str | None = None  # what drafted the greedy rows ("compiled", "reference"; "reference-gated"/"-rnn")
 
 
 @dataclass(frozen=True)
@@ -81,37 +84,6 @@ class DraftSource(Protocol):
 
     def draft(self, batch: DraftBatch) -> Drafts:
         ...
-
-
-class VanillaHead:
-    """``b = markov_w2 @ markov_w1[prev]``: DSpark's vanilla Markov head.
-
-    ``embed`` and ``bias`` are what the shared recurrence calls; ``row_norms``
-    and ``max_norms`` are the bound the op prunes with (Cauchy-Schwarz on
-    ``markov_w2[j] . e``), which a new head must restate for its own bias.
-    """
-
-    kind = "vanilla"
-
-    def __init__(self, weights: MarkovWeights):
-        self.weights = weights
-
-    def embed(self, prev: torch.Tensor) -> torch.Tensor:  # [R] target ids -> [R, rank] fp32
-        return embed_prev(self.weights.markov_w1, prev)
-
-    def bias_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """[R, rank] -> [R, V] fp32 bias, accumulated in fp64 (the op's contract). ``markov_w2`` is
-        widened once per call of the stage, not kept: at K3's size the fp64 copy is 335 MB."""
-        w2 = self.weights.markov_w2.to(torch.float64)
-        return lambda e: (e.double() @ w2.T).float()
-
-    @property
-    def row_norms(self) -> torch.Tensor:
-        return self.weights.w2_row_norms
-
-    @property
-    def max_norms(self) -> torch.Tensor | None:
-        return self.weights.max_norms
 
 
 class IdentityVocab:
@@ -172,7 +144,7 @@ class MarkovStage:
     def __init__(self, weights: MarkovWeights, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
         self.weights = weights
         self.compute_logits = compute_logits
-        self.head = VanillaHead(weights)
+        self.head: VanillaHead = make_head(weights)
         self.vocab: IdentityVocab | DraftVocab = (
             IdentityVocab(weights.vocab) if weights.d2t is None else DraftVocab(weights.d2t, weights.target_vocab))
         self.last_path: str | None = None
@@ -197,25 +169,37 @@ class MarkovStage:
         return base, conf.view(num_rows, n)
 
     # ------------------------------------------------------------------ drafting
-    def greedy(self, base: torch.Tensor, anchors: torch.Tensor,
-               conf_base: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, str]:
-        """Greedy rows through the Markov draft op: (tokens [R, N] target ids, conf [R, N], path)."""
+    def greedy(self, base: torch.Tensor, anchors: torch.Tensor, conf_base: torch.Tensor | None, *,
+               hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
+        """Greedy rows: (tokens [R, N] target ids, conf [R, N], path).
+
+        A vanilla head drafts through the Markov draft op. The op does not take gated or rnn heads
+        yet: their rows go through the Python recurrence with an argmax pick (the reference's, NaN
+        policy included), from ``hidden`` [R, N, H], and the path is ``"reference-<head>"``."""
+        w = self.weights
+        if self.head.needs_hidden:
+            from vllm_dspark.ops.markov_reference import markov_draft_reference
+
+            bias = self.head.start(hidden)
+            tokens, conf = markov_draft_reference(base, anchors, w.markov_w1, w.markov_w2, conf_base,
+                                                  w.conf_w_markov, d2t=self.vocab.d2t, head_bias=bias)
+            return self.vocab.to_target(tokens), conf, f"reference-{self.head.kind}"
         from vllm_dspark.ops import markov_draft
 
-        w = self.weights
         out = markov_draft(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base,
                            w.conf_w_markov, max_norms=self.head.max_norms, d2t=self.vocab.d2t)
         return self.vocab.to_target(out.tokens), out.conf, out.path
 
     def sampled(self, base: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
-                top_p: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                top_p: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sampled rows (``draft_sampling``): tokens [R, N] target ids, conf [R, N], exact q [R, N, V] over
-        the target vocabulary."""
+        the target vocabulary. ``hidden`` [R, N, H]: for a head that reads it."""
         from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
 
         tokens, conf, q = sample_drafts(base, anchors, self.weights, temperature, seeds, conf_base,
-                                        top_k=top_k, top_p=top_p, head=self.head)
+                                        top_k=top_k, top_p=top_p, head=self.head, hidden=hidden)
         return self.vocab.to_target(tokens), conf, self.vocab.q_to_target(q)
 
     def draft(self, batch: DraftBatch) -> Drafts:
@@ -231,11 +215,13 @@ class MarkovStage:
         tokens = torch.empty(r, n, dtype=torch.int64, device=base.device)
         conf = torch.ones(r, n, dtype=torch.float32, device=base.device)
         probs = None
+        hidden = batch.hidden.reshape(r, n, -1) if self.head.needs_hidden else None  # [R, N, H]
         greedy = ~is_sampled
         if bool(greedy.any()):
             idx = greedy.nonzero().flatten()
             tokens[idx], conf[idx], self.last_path = self.greedy(
-                base[idx], anchors[idx], None if conf_base is None else conf_base[idx])
+                base[idx], anchors[idx], None if conf_base is None else conf_base[idx],
+                hidden=None if hidden is None else hidden[idx.to(hidden.device)])
         if bool(is_sampled.any()):
             idx = is_sampled.nonzero().flatten()
             batch_idx = sel[idx]
@@ -244,7 +230,8 @@ class MarkovStage:
                 base[idx], anchors[idx], batch.temperature[batch_idx].float(), batch.seeds(batch_idx.tolist()),
                 None if conf_base is None else conf_base[idx],
                 top_k=None if batch.top_k is None else batch.top_k[batch_idx],
-                top_p=None if batch.top_p is None else batch.top_p[batch_idx])
+                top_p=None if batch.top_p is None else batch.top_p[batch_idx],
+                hidden=None if hidden is None else hidden[idx.to(hidden.device)])
             tokens[idx], conf[idx] = t_s, c_s
             probs = torch.zeros(r, n, self.vocab.size, dtype=torch.float32, device=base.device)
             probs[idx] = q_s
@@ -261,7 +248,11 @@ class MarkovStage:
         With a draft vocabulary ``out_tokens`` ends in target ids (mapped after the op by a gather
         into a temporary from the caching allocator: still no sync) but ``out_logits`` is
         [R, N, Vd], in draft ids: the caller maps what it makes from them (``self.vocab.q_to_target``
-        for a q)."""
+        for a q). The op takes vanilla heads only: a gated or rnn head is refused here (V2 would
+        otherwise draft it as vanilla, silently)."""
+        if self.head.needs_hidden:
+            raise NotImplementedError(f"vllm_dspark: the Markov draft op does not take {self.head.kind} heads yet; "
+                                      "this drafter is drafted through MarkovStage.draft (the Python recurrence)")
         if op is None:
             op = torch.ops.vllm_dspark.markov_draft
         w = self.weights

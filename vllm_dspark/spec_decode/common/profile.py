@@ -114,8 +114,10 @@ def _draft_fn(proposer, r: int):
 
     def run():
         proposer.dummy_run(nq, use_cudagraphs=False)
-        base, _ = stage.inputs(proposer.hidden_states[:nq], r, proposer.n_draft, with_confidence=False)
-        stage.greedy(base, torch.zeros(r, dtype=torch.int64, device=base.device), None)
+        hidden = proposer.hidden_states[:nq]
+        base, _ = stage.inputs(hidden, r, proposer.n_draft, with_confidence=False)
+        stage.greedy(base, torch.zeros(r, dtype=torch.int64, device=base.device), None,
+                     hidden=hidden.reshape(r, proposer.n_draft, -1))  # read by gated / rnn heads only
     return run
 
 

@@ -21,6 +21,10 @@ with Markov and confidence heads) plus what the V1 proposer needs:
   layer in PyTorch (otherwise every layer after the first reads wrongly
   normalised keys: no error, lower acceptance);
 * older exports' ``logit_head.`` tensor names load;
+* a gated or rnn Markov head's projection (``markov_head.gate_proj`` /
+  ``joint_proj``), which upstream's head does not have, goes straight to
+  :class:`MarkovWeights`; the stage drafts such heads in Python
+  (``spec_decode/common/heads.py``: the op takes vanilla heads only);
 * a serve-time draft vocabulary (the ``draft_vocab`` setting): the Markov
   weights get the N most frequent tokens' ``markov_w2`` rows and their ``d2t``,
   and :meth:`DSparkV1DraftModel.draft_logits` scores those N rows of the LM head
@@ -155,11 +159,15 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
         names_seen: set[str] = set()
+        head_proj: dict[str, torch.Tensor] = {}  # a gated / rnn head's projection: upstream's head has none
 
         def canon():
             for name, w in weights:
                 c = canonical_name(name)
                 names_seen.add(c)
+                if c.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")):
+                    head_proj[c] = w
+                    continue
                 yield c, w
 
         loaded = super().load_weights(canon())
@@ -182,8 +190,23 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
             conf_bias=conf.proj.bias.data if conf is not None and conf.proj.bias is not None else None,
             hidden_size=self.config.hidden_size,
             conf_with_markov=bool(conf is not None and conf.with_markov),
-            device=self.lm_head.weight.device if hasattr(self.lm_head, "weight") else None)
+            device=self.lm_head.weight.device if hasattr(self.lm_head, "weight") else None,
+            **self._head_projection(head_proj, no_markov, head.markov_w1.weight.device))
         return loaded
+
+    def _head_projection(self, tensors: dict[str, torch.Tensor], no_markov: bool, device) -> dict:
+        """``MarkovWeights.build``'s head arguments: the type from the config, a gated head's ``gate_proj``
+        or an rnn head's ``joint_proj`` as loaded (``build`` refuses a missing or misshapen one by name)."""
+        head_type = str(getattr(self.config, "markov_head_type", None) or "vanilla")
+        if no_markov or head_type == "vanilla":
+            return {}
+        prefix, arg = {"gated": ("markov_head.gate_proj.", "gate"), "rnn": ("markov_head.joint_proj.", "joint")}[
+            head_type]
+        out: dict = {"markov_head_type": head_type}
+        for part in ("weight", "bias"):
+            t = tensors.get(prefix + part)
+            out[f"{arg}_{part}"] = None if t is None else t.to(device=device)
+        return out
 
     # ------------------------------------------------------------------ the serve-time draft vocabulary
     def _choose_draft_vocab(self) -> torch.Tensor | None:

@@ -288,7 +288,7 @@ def _build_class():
 
     from vllm_dspark.checkpoint.io import canonical_name
     from vllm_dspark.serving.settings import not_applied_on_v2
-    from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
+    from vllm_dspark.spec_decode.common.draft_keys import check_v2_head, expose_dspark_keys
 
     class DSparkV2DraftModel(Qwen3DSparkForCausalLM):
         """Upstream's Qwen3 DSpark draft whose sequential stage runs on the Markov draft op."""
@@ -296,6 +296,7 @@ def _build_class():
         def __init__(self, *, vllm_config, prefix: str = ""):
             hf_config = vllm_config.speculative_config.draft_model_config.hf_config
             expose_dspark_keys(hf_config, allow_no_markov=False)
+            check_v2_head(hf_config)
             check_k3_worker(vllm_config)
             super().__init__(vllm_config=vllm_config, prefix=prefix)
             self._markov: MarkovWeights | None = None
