@@ -50,6 +50,10 @@ def register() -> None:
         # takes the DFlash path ("DFlash" + "DSparkDraftModel"); on V2 SpeculativeConfig renames it.
         ModelRegistry.register_model("DFlashDSparkDraftModel",
                                      "vllm_dspark.spec_decode.v1.model:DSparkV1DraftModel")
+        # A DeepSpec checkpoint (Qwen3DSparkModel) is named so while vLLM first resolves it; the
+        # speculative-config patch then presents it as a SpecForge export (DFlashDSparkDraftModel).
+        ModelRegistry.register_model("DFlashQwen3DSparkModel",
+                                     "vllm_dspark.spec_decode.v1.model:DSparkV1DraftModel")
     else:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.v2.model:DSparkV2DraftModel")

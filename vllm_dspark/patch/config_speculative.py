@@ -8,9 +8,10 @@ precompute, non-causal block attention), so for a DSpark draft this patch:
 1. validates the draft against the target and resolves every DSpark setting
    (``vllm_dspark.serving``): one message listing every problem, before
    anything is built. Drafts of every checkpoint family are taken: those the
-   V1 path does not serve (other backbones, and for now checkpoint draft
-   vocabularies, DeepSpec and speculators layouts) are refused there by
-   name, with what serves them, instead of by vLLM's "V1 does not support";
+   V1 path does not serve (other backbones) are refused there by name, with
+   what serves them, instead of by vLLM's "V1 does not support"; a DeepSpec
+   or speculators draft is presented to vLLM as a SpecForge export
+   (:func:`present_as_specforge_export`: its HF config, never its files);
 2. lets vLLM resolve the draft as a DFlash draft whose block is the drafter's
    full block (``num_speculative_tokens`` = block: lookahead slots and
    per-position metrics are sized for it; the proposer verifies fewer);
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 
+from vllm_dspark.config import DSparkConfig
 from vllm_dspark.patch import handoff
 from vllm_dspark.patch.registry import Patch, register_patch
 from vllm_dspark.serving.settings import attach
@@ -69,6 +71,8 @@ def _make_post_init(original):
             # still draft greedily (the proposer decides per request).
             self.draft_sample_method = "probabilistic"
         original(self)
+        if cfg.family != "specforge":
+            present_as_specforge_export(self, cfg)
         hf = self.draft_model_config.hf_config
         dc = dict(getattr(hf, "dflash_config", None) or {})
         if settings.window:
@@ -87,13 +91,49 @@ def _make_post_init(original):
     return __post_init__
 
 
+def specforge_hf_config(cfg: DSparkConfig):
+    """The draft's HF config as vLLM builds it for a SpecForge export of the same drafter.
+
+    A Qwen3 config of ``cfg.to_hf_dict()`` (the DSpark keys in ``dflash_config``, the layer ids as
+    layer outputs, the layout in ``sample_from_anchor``, ``draft_vocab_size`` at the top level) in
+    vLLM's DFlash wrapper, whose architecture is then ``DFlashDSparkDraftModel``: this plugin's V1
+    model. Everything downstream (the runner's aux layer ids, the DFlash proposer's mask id, the
+    model) reads one shape whatever the family's config.json looked like.
+    """
+    from transformers import Qwen3Config
+    from vllm.transformers_utils.configs.eagle import EAGLEConfig
+
+    return EAGLEConfig(Qwen3Config(**cfg.to_hf_dict()), method="dflash")
+
+
+def present_as_specforge_export(spec, cfg: DSparkConfig) -> None:
+    """Give vLLM a DeepSpec or speculators draft in the shape of a SpecForge export, files untouched.
+
+    vLLM read the draft's config.json its own way: DeepSpec's flat keys land where no DFlash reader
+    looks (the runner would tap default layers), and a speculators config becomes vLLM's
+    ``SpeculatorsConfig`` routed to upstream's Qwen3 DSpark model. The draft's validated
+    :class:`DSparkConfig` already holds every key as this plugin reads it per family (speculators'
+    aux ids minus 1, each family's layout default), so its SpecForge form replaces the HF config
+    here, before any model or worker reads it; the weights are still read from the draft's own
+    directory, and ``DSparkV1DraftModel.load_weights`` takes every family's tensor names.
+    """
+    before = type(spec.draft_model_config.hf_config).__name__
+    spec.draft_model_config.hf_config = specforge_hf_config(cfg)
+    spec.update_arch_()
+    vocab = f"a draft vocabulary of {cfg.draft_vocab_size}" if cfg.draft_vocab_size else "the full vocabulary"
+    logger.info("vllm_dspark: %s draft %s (%s, %d drafts, %s) presented to vLLM as a SpecForge export: vLLM's "
+                "%s replaced, the files untouched", cfg.family, cfg.architecture, cfg.query_layout,
+                cfg.num_draft_tokens, vocab, before)
+
+
 PATCH = register_patch(Patch(
     name="speculative-config-dspark-v1",
     module="vllm.config.speculative",
     attribute="SpeculativeConfig.__post_init__",
-    what="method 'dspark' with a SpecForge DSpark export resolves as a DFlash-path draft carrying one "
-         "DSparkSettings object, after validating the draft against the target; window, sampled drafts and "
-         "the draft's max_model_len are set before the draft model is built",
+    what="method 'dspark' with a DSpark draft of any served family resolves as a DFlash-path draft (DeepSpec "
+         "and speculators configs presented as a SpecForge export) carrying one DSparkSettings object, after "
+         "validating the draft against the target; window, sampled drafts and the draft's max_model_len are "
+         "set before the draft model is built",
     why="vLLM 0.32 refuses 'dspark' on the V1 model runner (its only DSpark path is the V2 GPU runner)",
     versions=("0.32",),
     removable_when="vLLM's V1 runner accepts method 'dspark', or the CPU backend runs the V2 runner",

@@ -12,9 +12,9 @@ instead of reaching vLLM's "Model Runner V1 does not support: dspark":
   (Gemma4DSparkModel, K3DSparkModel) or whose name would route them to vLLM's
   plain DFlash model; one line, before anything else is checked;
 * :func:`in_progress_refusals`: what parses and validates but is not served
-  yet (draft vocabularies, the DeepSpec and speculators layouts), kept in one
-  function so it is lifted in one place. Gated and rnn Markov heads are served
-  (the V1 stage drafts them in Python: ``spec_decode/common/heads.py``).
+  yet, kept in one function so it is lifted in one place (empty today: the
+  DeepSpec and speculators layouts, checkpoint draft vocabularies and gated /
+  rnn Markov heads are all served on V1).
 """
 
 from __future__ import annotations
@@ -63,19 +63,14 @@ def v1_runner_refusal(cfg: DSparkConfig) -> str | None:
 def in_progress_refusals(cfg: DSparkConfig) -> list[str]:
     """What parses and validates but is not served yet, one line each (issue 30; remove a check when it lands).
 
-    The checkpoint side reads these drafters (families, tensors, id maps); the
-    runners' Markov stage and loaders do not yet run them.
+    Empty today for every Qwen3-layer drafter: the DeepSpec and speculators layouts are presented to
+    vLLM as SpecForge exports (``patch/config_speculative.py``) and their tensors loaded by name,
+    checkpoint draft vocabularies (own ``lm_head`` [Vd, H], ``d2t``) are drafted through the Markov
+    stage's ``DraftVocab``, gated and rnn heads in Python (``spec_decode/common/heads.py``). Kept as
+    the one place a future not-yet-served variant is refused by name.
     """
-    waiting = "parses and validates, but the V1/V2 Markov stage does not serve it yet"
-    out = []
-    if cfg.draft_vocab_size is not None:
-        out.append(f"{cfg.key('draft_vocab_size')}: {cfg.draft_vocab_size} (a draft vocabulary against "
-                   f"{cfg.vocab_size}) {waiting}; only full-vocabulary drafters are served today")
-    if cfg.family in ("deepspec", "speculators"):
-        out.append(f"a {cfg.family} checkpoint ({cfg.architecture}) parses and validates, but the V1 runner's "
-                   "loader reads SpecForge exports (architectures DSparkDraftModel, knobs in dflash_config) only "
-                   f"so far; {V2_RUNNER} reads this layout")
-    return out
+    del cfg
+    return []
 
 
 def draft_vocab_problems(settings: DSparkSettings, target_vocab: int) -> list[str]:
@@ -98,7 +93,7 @@ def draft_vocab_problems(settings: DSparkSettings, target_vocab: int) -> list[st
 
 @dataclass(frozen=True)
 class DraftFiles:
-    """A SpecForge DSpark export's directory and its ``config.json``, read once for the whole start-up."""
+    """A DSpark draft's directory and its ``config.json`` (any family), read once for the whole start-up."""
 
     path: Path
     raw: dict

@@ -217,6 +217,125 @@ def _rename_to_legacy(path: Path) -> None:
     save_file(renamed, str(f), metadata={"format": "pt"})
 
 
+# ---------------------------------------------------------------- the other families' layouts
+def _target_tensor(target: Path, *names: str) -> torch.Tensor:
+    """The first of ``names`` in the target's safetensors (its embedding or LM head), as saved."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(target) / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())  # noqa: SIM118 (a safetensors handle, not a dict)
+        for name in names:
+            if name in keys:
+                return f.get_tensor(name)
+    raise KeyError(f"{target}: none of {names} in model.safetensors")
+
+
+def _backbone_dict(cfg: DSparkConfig) -> dict:
+    """The Qwen3 layer keys of ``cfg`` as a Hugging Face config writes them (transformers 5 spelling)."""
+    rope = {"rope_theta": cfg.rope_theta, "rope_type": "default"}
+    if cfg.rope_scaling:
+        rope = {**cfg.rope_scaling, "rope_theta": cfg.rope_theta}
+    return {"model_type": "qwen3", "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_hidden_layers,
+            "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_key_value_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate_size, "hidden_act": cfg.hidden_act,
+            "rms_norm_eps": cfg.rms_norm_eps, "attention_bias": cfg.attention_bias, "vocab_size": cfg.vocab_size,
+            "max_position_embeddings": cfg.max_position_embeddings, "rope_parameters": rope,
+            "use_sliding_window": False, "sliding_window": None, "tie_word_embeddings": False}
+
+
+def _head_keys(cfg: DSparkConfig) -> dict:
+    return {"mask_token_id": cfg.mask_token_id, "markov_rank": cfg.markov_rank,
+            "markov_head_type": cfg.markov_head_type, "enable_confidence_head": cfg.enable_confidence_head,
+            "confidence_head_with_markov": cfg.confidence_head_with_markov}
+
+
+def _write_layout(dst: Path, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    from safetensors.torch import save_file
+
+    dst = Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(dst / "model.safetensors"),
+              metadata={"format": "pt"})
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return dst
+
+
+def to_deepspec_layout(src: str | Path, dst: str | Path, *, target: str | Path,
+                       lm_head_offset: float = 0.0) -> Path:
+    """Re-save a SpecForge-layout drafter as DeepSpec's native ``Qwen3DSparkModel`` checkpoint.
+
+    Flat config keys (``block_size``, ``target_layer_ids``, ``mask_token_id``, ... at the top level,
+    ``sample_from_anchor`` left out: DeepSpec reads its absence as true), and the file carries
+    ``embed_tokens.weight`` and ``lm_head.weight``: exact copies of the target's, as DeepSpec saves
+    its frozen ones. ``lm_head_offset`` != 0 adds it to every entry of the LM head copy, which then
+    differs from the target's (a drafter whose head is its own).
+    """
+    from safetensors.torch import load_file
+
+    cfg = DSparkConfig.from_json(src)
+    if cfg.draft_vocab_size is not None:
+        raise ValueError("to_deepspec_layout: DeepSpec's native checkpoints score the full vocabulary")
+    config = {"architectures": ["Qwen3DSparkModel"], **_backbone_dict(cfg), "torch_dtype": cfg.dtype,
+              "block_size": cfg.block_size, "target_layer_ids": list(cfg.target_layer_ids),
+              "num_target_layers": cfg.num_target_layers, **_head_keys(cfg)}
+    if not cfg.sample_from_anchor:
+        config["sample_from_anchor"] = False
+    tensors = dict(load_file(str(Path(src) / "model.safetensors")))
+    tensors["embed_tokens.weight"] = _target_tensor(Path(target), "model.embed_tokens.weight")
+    head = _target_tensor(Path(target), "lm_head.weight", "model.embed_tokens.weight")
+    tensors["lm_head.weight"] = head + lm_head_offset if lm_head_offset else head
+    return _write_layout(Path(dst), config, tensors)
+
+
+def to_speculators_layout(src: str | Path, dst: str | Path, *, target: str | Path, draft_ids,
+                          shift: int = 0, sample_from_anchor: bool | None = None) -> Path:
+    """Re-save a SpecForge-layout drafter as a vllm-project/speculators DSpark checkpoint with a draft vocabulary.
+
+    ``draft_ids``: the target ids the draft vocabulary holds (sorted, distinct); draft id j is
+    ``draft_ids[j]``. The drafter's own ``lm_head`` [Vd, H] is the target's LM head at those rows,
+    ``markov_w2`` [Vd, r] the drafter's rows, ``d2t`` int64 [Vd] the offsets (target id = draft id +
+    d2t[draft id]), ``t2d`` bool [V] marks the ids. ``shift`` != 0 writes a deliberately wrong map:
+    draft id j goes to ``draft_ids[(j + shift) % Vd]`` (still one-to-one and inside the vocabulary,
+    with a ``t2d`` that agrees, so only what is drafted is wrong).
+
+    The config is speculators': the layers in ``transformer_layer_config``,
+    ``aux_hidden_state_layer_ids`` = ``target_layer_ids`` + 1, ``draft_vocab_size``, and
+    ``speculators_config.proposal_methods[0].speculative_tokens`` = the drafts of the layout.
+    ``sample_from_anchor``: the layout to declare (None: the source's); it is written only when
+    true, since speculators reads its absence as false (the 1 + N layout, block - 1 drafts).
+    """
+    from safetensors.torch import load_file
+
+    cfg = DSparkConfig.from_json(src)
+    anchor = cfg.sample_from_anchor if sample_from_anchor is None else sample_from_anchor
+    ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(-1)
+    if ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError("to_speculators_layout: draft_ids must be non-empty, sorted and distinct")
+    vd = int(ids.numel())
+    mapped = torch.roll(ids, -shift) if shift else ids
+    tensors = dict(load_file(str(Path(src) / "model.safetensors")))
+    head = _target_tensor(Path(target), "lm_head.weight", "model.embed_tokens.weight")
+    tensors["lm_head.weight"] = head[ids].to(tensors["norm.weight"].dtype)
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:
+        tensors[w2] = tensors[w2][ids]
+    tensors["d2t"] = mapped - torch.arange(vd, dtype=torch.int64)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[mapped] = True
+    tensors["t2d"] = t2d
+    tensors["embed_tokens.weight"] = _target_tensor(Path(target), "model.embed_tokens.weight")
+    config = {"architectures": ["Qwen3DSparkModel"], "speculators_model_type": "dspark",
+              "transformer_layer_config": _backbone_dict(cfg), "torch_dtype": cfg.dtype,
+              "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids], "block_size": cfg.block_size,
+              "draft_vocab_size": vd, **_head_keys(cfg),
+              "speculators_config": {"algorithm": "dspark", "proposal_methods": [
+                  {"proposal_type": "greedy", "speculative_tokens": cfg.block_size - (0 if anchor else 1)}],
+                  "verifier": {"name_or_path": str(target)}}}
+    if anchor:
+        config["sample_from_anchor"] = True
+    return _write_layout(Path(dst), config, tensors)
+
+
 def bigram_chain(bigram: torch.Tensor, start: int, n: int) -> list[int]:
     out, cur = [], int(start)
     for _ in range(n):
@@ -233,5 +352,5 @@ def expected_length(conf: list[float], threshold: float) -> int:
 
 
 __all__ = ["make_tokenizer", "make_target", "make_drafter", "random_drafter", "drafter_config_for", "random_bigram",
-           "bigram_chain", "expected_length", "TOKEN_IDS"]
+           "bigram_chain", "expected_length", "to_deepspec_layout", "to_speculators_layout", "TOKEN_IDS"]
 

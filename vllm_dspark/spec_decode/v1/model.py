@@ -28,7 +28,18 @@ with Markov and confidence heads) plus what the V1 proposer needs:
 * a serve-time draft vocabulary (the ``draft_vocab`` setting): the Markov
   weights get the N most frequent tokens' ``markov_w2`` rows and their ``d2t``,
   and :meth:`DSparkV1DraftModel.draft_logits` scores those N rows of the LM head
-  only (one sliced copy of its weight, made once).
+  only (one sliced copy of its weight, made once);
+* every family's tensors (DeepSpec's and speculators' checkpoints come here
+  presented as SpecForge exports: ``patch/config_speculative.py``). Names map
+  through :func:`loader_name`. A checkpoint's own draft vocabulary (``lm_head``
+  [Vd, H], ``d2t`` offsets) loads into upstream's reduced-vocabulary head and
+  map, and :class:`MarkovWeights` gets that ``d2t``: the stage drafts in draft
+  ids and hands target ids and target-vocabulary q on. A full-vocabulary
+  ``embed_tokens`` / ``lm_head`` copy is loaded, and the DFlash proposer's
+  ``load_model`` compares it with the target's (``torch.equal``): equal, it is
+  dropped and the target's shared; different, it is the drafter's own and
+  used. :func:`vocab_tensor_notes` says which happened, in one log line when
+  the Markov stage is built.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import functools
 import json
 import logging
 import types
+import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -163,7 +175,9 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
 
         def canon():
             for name, w in weights:
-                c = canonical_name(name)
+                c = loader_name(name)
+                if c is None:
+                    continue
                 names_seen.add(c)
                 if c.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")):
                     head_proj[c] = w
@@ -171,10 +185,18 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
                 yield c, w
 
         loaded = super().load_weights(canon())
+        # The modules that took the checkpoint's embedding / LM head (weak: a copy the proposer drops is freed).
+        self._vocab_copies = {name: weakref.ref(module) for name, module in self._vocab_modules().items()
+                              if f"{name}.weight" in names_seen}
+        self._vocab_noted = False
         no_markov = bool(getattr(self.config, "dspark_no_markov_head", False))
         head, conf = self.model.markov_head, self.model.confidence_head
         w2 = None if no_markov else head.markov_w2.weight.data
         d2t = None
+        own_map = getattr(self, "draft_id_to_target_id", None)
+        if own_map is not None:
+            # The checkpoint's draft vocabulary: its lm_head and markov_w2 have Vd rows; d2t [Vd] offsets.
+            d2t = own_map.data.to(torch.int64)
         self.draft_ids = self._choose_draft_vocab()
         if self.draft_ids is not None:
             ids = self.draft_ids
@@ -193,6 +215,10 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
             device=self.lm_head.weight.device if hasattr(self.lm_head, "weight") else None,
             **self._head_projection(head_proj, no_markov, head.markov_w1.weight.device))
         return loaded
+
+    def _vocab_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules holding the embedding and the LM head now (the proposer may swap in the target's)."""
+        return {"embed_tokens": self.model.embed_tokens, "lm_head": self.lm_head}
 
     def _head_projection(self, tensors: dict[str, torch.Tensor], no_markov: bool, device) -> dict:
         """``MarkovWeights.build``'s head arguments: the type from the config, a gated head's ``gate_proj``
@@ -236,6 +262,9 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         """The base logits the Markov stage drafts from: :meth:`compute_logits` over the whole vocabulary,
         or, with a draft vocabulary, ``hidden @ W[ids].T`` (times the logits processor's scale) over its
         N rows in draft ids, from one sliced copy of the LM head's weight (the target's, once shared)."""
+        if not getattr(self, "_vocab_noted", True):
+            self._vocab_noted = True
+            logger.info("vllm_dspark: %s", "; ".join(vocab_tensor_notes(self)))
         if self.draft_ids is None:
             return self.compute_logits
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
@@ -258,6 +287,49 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
             return out * scale if scale != 1.0 else out
 
         return logits
+
+
+def loader_name(name: str) -> str | None:
+    """The name a checkpoint tensor of any family is loaded under (upstream's loader adds ``model.``), or None.
+
+    SpecForge's, DeepSpec's and speculators' names, with or without a ``model.`` prefix, and older
+    exports' ``logit_head.`` ones, map to one canonical set (:func:`canonical_name`); ``t2d`` (which
+    target ids the draft vocabulary holds: training only, ``d2t`` says the same) is not loaded.
+    """
+    c = canonical_name(name)
+    return None if c == "t2d" else c
+
+
+def vocab_tensor_notes(model) -> list[str]:
+    """What became of the checkpoint's ``embed_tokens`` and ``lm_head``, one phrase each, once the
+    proposer has loaded the model (it drops a full-vocabulary copy equal to the target's, by
+    ``torch.equal``, and shares the target's; a copy that differs is kept).
+
+    ``model`` holds ``_vocab_copies`` (name -> weak reference to the module the checkpoint's tensor
+    was loaded into), ``_vocab_modules()`` (the modules in use now) and ``vocab_size`` (the target's).
+    """
+    copies = getattr(model, "_vocab_copies", {}) or {}
+    out = []
+    for name, module in model._vocab_modules().items():
+        ref = copies.get(name)
+        if ref is None:
+            out.append(f"{name}: not in the checkpoint, the target's is shared")
+            continue
+        if ref() is not module:
+            out.append(f"{name}: the checkpoint's copy equals the target's (compared at load), dropped; the "
+                       "target's is shared")
+            continue
+        weight = getattr(module, "weight", None)
+        rows = int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+        draft_vocab = getattr(getattr(model, "config", None), "draft_vocab_size", None)
+        if name == "lm_head" and draft_vocab and draft_vocab < model.vocab_size:
+            out.append(f"lm_head: the drafter's own over its draft vocabulary ({draft_vocab} of "
+                       f"{model.vocab_size} tokens), used")
+        else:
+            shape = f" [{rows} rows]" if rows is not None else ""
+            out.append(f"{name}: the checkpoint's{shape} differs from the target's, so it is the drafter's own "
+                       "and is used")
+    return out
 
 
 def target_end_ids(model_config) -> list[int]:
