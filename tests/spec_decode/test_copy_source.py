@@ -8,7 +8,14 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark.spec_decode.common.copy_source import MATCH_CAP, CopySource, SuffixIndex, match_confidence
+from vllm_dspark.spec_decode.common.copy_source import (
+    MATCH_CAP,
+    SEP,
+    CopySource,
+    SharedText,
+    SuffixIndex,
+    match_confidence,
+)
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, DraftSource
 
 
@@ -130,3 +137,63 @@ def test_a_prompt_indexed_in_bulk_equals_one_by_one(seed):
         bulk.extend(extra)
         single.extend(extra)
         assert bulk.propose(7) == single.propose(7) == brute_force(bulk.tokens, 7, 2, 6)
+
+
+def _brute_find(text: list[int], query: list[int], k: int, lo: int, hi: int) -> tuple[list[int], int]:
+    """The longest suffix of ``query`` (lo..hi tokens) occurring in ``text`` (latest occurrence), its
+    continuation up to a separator, and the match extended backwards (as the index reports it)."""
+    for n in range(min(hi, len(query)), lo - 1, -1):
+        suf = query[len(query) - n:]
+        for end in range(len(text) - 1, n - 2, -1):
+            if text[end - n + 1:end + 1] == suf:
+                got = text[end + 1:end + 1 + k]
+                if SEP in got:
+                    got = got[:got.index(SEP)]
+                if not got:
+                    return [], 0
+                m = n
+                while m < MATCH_CAP and end - m >= 0 and m < len(query) and text[end - m] == query[len(query) - 1 - m]:
+                    m += 1
+                return got, m
+    return [], 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shared_text_finds_what_a_brute_force_search_finds(seed):
+    rng = random.Random(300 + seed)
+    shared = SharedText(10_000, 2, 5)
+    texts = [[rng.randrange(5) for _ in range(rng.randrange(3, 400))] for _ in range(6)]
+    for t in texts:
+        shared.add(t)
+    flat = [x for t in texts for x in (*t, SEP)]
+    assert shared.index.tokens == flat
+    for _ in range(40):
+        q = [rng.randrange(5) for _ in range(rng.randrange(1, 12))]
+        assert shared.find(q, 4) == _brute_find(flat, q, 4, 2, 5), q
+
+
+def test_shared_text_is_bounded_and_keeps_the_newest():
+    shared = SharedText(1000, 2, 4)
+    for i in range(30):
+        shared.add([i, i + 1000, i + 2000] * 30)  # 90 tokens each
+    assert shared.size <= 1000 and shared.rebuilds >= 2
+    assert shared.texts[-1][:3] == [29, 1029, 2029] and shared.texts[0][0] > 0
+    assert shared.find([29, 1029], 2) == ([2029], 2)  # the latest occurrence, cut at its text's end
+    assert shared.find([0, 1000], 2) == ([], 0)  # dropped with the oldest outputs
+
+
+def test_a_request_copies_an_earlier_requests_output():
+    texts = {}
+    src = CopySource(lambda row: texts[row], min_match=2, max_match=4, shared=4096)
+    batch = DraftBatch(rows=[0], anchors=None, num_tokens=3, sampled=np.zeros(1, bool))  # type: ignore[arg-type]
+    # Request a: prompt [1, 2, 3] (3 tokens), output [10, 11, 12, 13, 14].
+    texts[0] = ("a", [1, 2, 3, 10, 11, 12, 13], [14], 3)
+    src.draft(batch)
+    src.retain(["b"])  # a finished: its OUTPUT joins the shared text, not its prompt
+    assert src.shared is not None and src.shared.texts == [[10, 11, 12, 13, 14]]
+    texts[0] = ("b", [7, 7, 11], [12], 3)  # b's own text has no earlier "11 12"
+    d = src.draft(batch)
+    assert d.tokens[0].tolist() == [13, 14, 0] and bool(src.last_shared[0]) and src.last_matches[0] == 2
+    texts[0] = ("b", [7, 7, 11, 12, 7, 7], [11], 3)  # now its own text matches longer: "7 7 11"
+    d = src.draft(batch)
+    assert d.tokens[0].tolist() == [12, 7, 7] and not src.last_shared[0]

@@ -12,7 +12,8 @@ then sampled ones (T = 1, some seeded):
   accepted on many steps, and steps on which only the copy drafted (no block forward);
 * the trace names the source of every draft, and the report splits acceptance by source;
 * sampled requests draft by copying too (a one-hot q: the rejection sampler's ratio test is
-  exact), answers of full length, tokens inside the vocabulary.
+  exact), answers of full length, tokens inside the vocabulary; with ``copy_shared`` on, they copy
+  from the greedy pass's answers to the same prompts (the cross-request index).
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ def copy_run(qwen_pair, prompts, tmp_path_factory):
     save_file(state, str(path), metadata={"format": "pt"})
     trace = root / "trace.jsonl"
     spec = {"method": "dspark", "model": str(draft), "num_speculative_tokens": 7,
-            "dspark": {"verification": "budget", "costs": CHEAP_VERIFY, "copy": "auto", "trace": str(trace)}}
+            "dspark": {"verification": "budget", "costs": CHEAP_VERIFY, "copy": "auto", "copy_shared": 4096,
+                       "trace": str(trace)}}
     with llm_engine(qwen_pair["target"], speculative_config=spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
@@ -102,3 +104,9 @@ def test_sampled_requests_copy_too(copy_run):
     sampled_copies = [r for r in records if r.get("sampled") and r.get("source") == "copy" and "draft" in r
                       and r["kept"] > 0]
     assert sampled_copies, "no sampled request drafted by copying"
+    # The sampled requests repeat the greedy ones' prompts: the greedy answers, in the shared text
+    # once those requests finished, are copied from (in the greedy pass only the requests that
+    # finished late could copy the early ones).
+    src_before, src_after = greedy["copy"]["source"], report["copy"]["source"]
+    assert src_after["from_shared"] > src_before["from_shared"], (src_before, src_after)
+    assert src_after["shared"]["texts"] >= 16, src_after

@@ -87,6 +87,7 @@ class DSparkSettings:
     draft_vocab_table: str | None = None
     copy: str = _default("copy")  # "auto": the copy source drafts beside the drafter (budget only)
     copy_min_match: int = _default("copy_min_match")
+    copy_shared: int | None = None  # tokens of recent requests' outputs the copy source indexes (None: off)
     sources: tuple[tuple[str, str], ...] = field(default=())
 
     # -------------------------------------------------------------- derived
@@ -126,7 +127,8 @@ class DSparkSettings:
                 f"{self.source('verification')}), window {window} ({self.source('window')}), "
                 f"context gate {gate}, draft sampling {self.draft_sampling}"
                 + (f", draft vocabulary {self.draft_vocab}" if self.draft_vocab else "")
-                + (f", copy source (min match {self.copy_min_match})" if self.copies else "")
+                + (f", copy source (min match {self.copy_min_match}"
+                   + (f", {self.copy_shared} shared tokens" if self.copy_shared else "") + ")" if self.copies else "")
                 + ("" if self.use_markov else ", Markov bias DISABLED (ablation)"))
 
     def context_note(self) -> str | None:
@@ -329,5 +331,6 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         draft_vocab=draft_vocab, draft_vocab_table=table if draft_vocab is not None else None,
         copy=values.get("copy", _default("copy")),
         copy_min_match=int(values.get("copy_min_match", _default("copy_min_match"))),
+        copy_shared=values.get("copy_shared"),
         sources=tuple(sorted(sources.items())))
 

@@ -224,6 +224,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("copy_min_match", "VLLM_DSPARK_COPY_MIN_MATCH", None,
             number(1, 64, "tokens the latest suffix must match to copy", integer=True), 2, "2",
             "the copy source's shortest match, in tokens (longer: fewer, surer copies)"),
+    Setting("copy_shared", "VLLM_DSPARK_COPY_SHARED", None, tokens_or_off(64), None, "off",
+            "the copy source also copies from the outputs of recent requests (suffix decoding's cross-request "
+            "index): this many tokens of them, oldest dropped first; a token count or `off`"),
     Setting("draft_vocab", "VLLM_DSPARK_DRAFT_VOCAB", None, size_or_off, None, "off",
             "a full-vocabulary drafter drafts over the N most frequent tokens of `draft_vocab_table` only "
             "(its LM head and Markov stage score N rows instead of the target's V; lossless: a token outside "

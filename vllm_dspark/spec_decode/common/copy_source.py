@@ -16,7 +16,10 @@ rejection sampler exactly as a greedy draft does. Its per-position confidence is
 increasing function of the match length (:func:`match_confidence`): the budget's per-source
 calibrator turns it into measured survival, so the number itself only ranks matches.
 
-Not built yet: the cross-request index (suffix decoding's tree over recent requests' outputs).
+:class:`SharedText` (``copy_shared``: a token budget, off by default) adds what suffix decoding
+adds: the outputs of recent requests, one index over all of them, so a request can copy what an
+earlier request wrote (a batch of similar edits, an agent re-reading a tool's answer). A request
+takes whichever of its own text and the shared text holds the longer match (its own on a tie).
 """
 
 from __future__ import annotations
@@ -120,6 +123,69 @@ class SuffixIndex:
         return [], 0
 
 
+SEP = 1 << 62  # between texts in a shared index: no token equals it, so no match runs across it
+
+
+def _suffix_hashes(toks: Sequence[int], upto: int) -> list[int]:
+    """Hashes of the last n tokens of ``toks``, n = 1..upto (:meth:`SuffixIndex._hashes`'s order)."""
+    out, h = [], 0
+    for n in range(1, upto + 1):
+        h = (h + (int(toks[-n]) + 1) * _POW[n - 1]) & _MASK
+        out.append(h)
+    return out
+
+
+class SharedText:
+    """Recent requests' outputs, one :class:`SuffixIndex` over them (separated by :data:`SEP`).
+
+    Bounded by ``capacity`` tokens: past it the oldest outputs are dropped until three quarters
+    remain and the index is rebuilt in bulk (a rebuild costs about 0.1 s per 32K tokens, once per
+    quarter of the capacity written).
+    """
+
+    def __init__(self, capacity: int, min_match: int = 2, max_match: int = 8):
+        self.capacity, self.min_match, self.max_match = int(capacity), min_match, max_match
+        self.texts: list[list[int]] = []
+        self.size = 0
+        self.rebuilds = 0
+        self.index = SuffixIndex(min_match, max_match)
+
+    def add(self, tokens: Sequence[int]) -> None:
+        text = [int(t) for t in tokens][-self.capacity:]
+        if len(text) < self.min_match + 1:
+            return
+        self.texts.append(text)
+        self.size += len(text) + 1
+        if self.size > self.capacity:
+            while self.texts and self.size > 0.75 * self.capacity:
+                self.size -= len(self.texts.pop(0)) + 1
+            self.index = SuffixIndex(self.min_match, self.max_match)
+            self.index.extend([t for x in self.texts for t in (*x, SEP)])
+            self.rebuilds += 1
+            return
+        self.index.extend([*text, SEP])
+
+    def find(self, query: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the latest occurrence of ``query``'s longest suffix found
+        here, and the match length (as :meth:`SuffixIndex.propose`)."""
+        toks = self.index.tokens
+        upto = min(self.max_match, len(query))
+        hashes = _suffix_hashes(query, upto)
+        for n in range(upto, self.min_match - 1, -1):
+            end = self.index._last_end[n].get(hashes[n - 1])
+            if end is None or toks[end - n + 1:end + 1] != [int(t) for t in query[len(query) - n:]]:
+                continue
+            match = n
+            while match < MATCH_CAP and end - match >= 0 and match < len(query) \
+                    and toks[end - match] == int(query[len(query) - 1 - match]):
+                match += 1
+            got = toks[end + 1:end + 1 + k]
+            if SEP in got:
+                got = got[:got.index(SEP)]
+            return (got, match) if got else ([], 0)
+        return [], 0
+
+
 class CopySource:
     """Drafts from each request's own text (a :class:`DraftSource`).
 
@@ -131,11 +197,15 @@ class CopySource:
 
     name = COPY_SOURCE
 
-    def __init__(self, tokens_of: Callable[[int], tuple[str, Sequence[int], Sequence[int]]], *, min_match: int = 2,
-                 max_match: int = 8):
+    def __init__(self, tokens_of: Callable[[int], tuple], *, min_match: int = 2, max_match: int = 8,
+                 shared: int | None = None):
         self.tokens_of = tokens_of
         self.min_match, self.max_match = min_match, max_match
         self.indexes: dict[str, SuffixIndex] = {}
+        self.prompt_lens: dict[str, int] = {}
+        self.shared = SharedText(shared, min_match, max_match) if shared else None
+        self.last_shared = np.zeros(0, dtype=bool)  # which rows' drafts came from the shared text
+        self.counts = {"drafts": 0, "from_shared": 0}
         self.last_matches: np.ndarray = np.zeros(0, dtype=np.int64)
 
     def _index(self, req_id: str, head: Sequence[int], tail: Sequence[int] = ()) -> SuffixIndex:
@@ -155,10 +225,20 @@ class CopySource:
         idx.extend(tail[max(0, start - cut):])
         return idx
 
+    def report(self) -> dict:
+        sh = self.shared
+        return {**self.counts, "requests_indexed": len(self.indexes),
+                "shared": None if sh is None else {"capacity": sh.capacity, "tokens": sh.size, "texts": len(sh.texts),
+                                                   "rebuilds": sh.rebuilds}}
+
     def retain(self, req_ids: Sequence[str]) -> None:
+        """Drop the requests no longer seen; their outputs join the shared text, when there is one."""
         keep = set(req_ids)
         for gone in [r for r in self.indexes if r not in keep]:
-            del self.indexes[gone]
+            idx = self.indexes.pop(gone)
+            start = self.prompt_lens.pop(gone, 0)
+            if self.shared is not None:
+                self.shared.add(idx.tokens[start:])
 
     def draft(self, batch: DraftBatch) -> Drafts:
         rows = list(batch.rows)
@@ -166,14 +246,24 @@ class CopySource:
         tokens = torch.zeros(len(rows), n, dtype=torch.int64)
         conf = torch.zeros(len(rows), n, dtype=torch.float32)
         matches = np.zeros(len(rows), dtype=np.int64)
+        from_shared = np.zeros(len(rows), dtype=bool)
         for i, row in enumerate(rows):
-            req_id, head, tail = self.tokens_of(row)
-            got, match = self._index(req_id, head, tail).propose(n)
+            req_id, head, tail, *rest = self.tokens_of(row)
+            if rest:  # the prompt's length: what the shared text must not take (outputs only)
+                self.prompt_lens[req_id] = int(rest[0])
+            idx = self._index(req_id, head, tail)
+            got, match = idx.propose(n)
+            if self.shared is not None:
+                got_s, match_s = self.shared.find(idx.tokens[-MATCH_CAP:], n)
+                if match_s > match:
+                    got, match, from_shared[i] = got_s, match_s, True
             if got:
                 tokens[i, :len(got)] = torch.tensor(got, dtype=torch.int64)
                 conf[i, :len(got)] = match_confidence(match)
             matches[i] = match
-        self.last_matches = matches
+        self.last_matches, self.last_shared = matches, from_shared
+        self.counts["drafts"] += int((matches > 0).sum())
+        self.counts["from_shared"] += int(from_shared.sum())
         # q is one-hot on the copied token: the rejection sampler needs no probabilities for it
         # (greedy rows), and a sampled row's one-hot q is built by the caller that sends it.
         return Drafts(tokens, conf, None, self.name, "copy")

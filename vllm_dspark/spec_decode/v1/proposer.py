@@ -139,7 +139,7 @@ class DSparkProposer(DFlashProposer):
         self.copy_policy: CopyPolicy | None = None
         if s.copies:
             self.copy_source = CopySource(self._copy_tokens, min_match=s.copy_min_match,
-                                          max_match=max(8, s.copy_min_match))
+                                          max_match=max(8, s.copy_min_match), shared=s.copy_shared)
             self.copy_policy = CopyPolicy(self.policy)
         elif s.copy == "auto":
             logger.info("vllm_dspark: copy: auto drafts with verification 'budget' only (which weighs the copy "
@@ -539,10 +539,10 @@ class DSparkProposer(DFlashProposer):
             if spec < 0:
                 continue  # a prefill chunk: the prompt is not all in yet
             accepted = max(0, spec - int(rej[i]))
-            out[i] = (rid, ib.token_ids_cpu[i, : n0 + accepted], (int(nxt[i]),))
+            out[i] = (rid, ib.token_ids_cpu[i, : n0 + accepted], (int(nxt[i]),), int(ib.num_prompt_tokens[i]))
         return out
 
-    def _copy_tokens(self, row: int) -> tuple[str, Sequence[int], Sequence[int]]:
+    def _copy_tokens(self, row: int) -> tuple[str, Sequence[int], Sequence[int], int]:
         return self._copy_rows[row]
 
     def mark_step_start(self) -> None:
@@ -696,7 +696,8 @@ class DSparkProposer(DFlashProposer):
                 "step_clock": {"marks": self.state.step_marks,
                                "from": "execute_model" if self.state.step_marks else "previous propose"},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
-                "copy": None if self.copy_policy is None else self.copy_policy.report(),
+                "copy": None if self.copy_policy is None or self.copy_source is None
+                else {**self.copy_policy.report(), "source": self.copy_source.report()},
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
 
 
