@@ -259,13 +259,19 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         return torch.tensor(ids, dtype=torch.int64)
 
     def draft_logits(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The base logits the Markov stage drafts from: :meth:`compute_logits` over the whole vocabulary,
-        or, with a draft vocabulary, ``hidden @ W[ids].T`` (times the logits processor's scale) over its
-        N rows in draft ids, from one sliced copy of the LM head's weight (the target's, once shared)."""
+        """The base logits the Markov stage drafts from: :meth:`compute_logits` over the whole vocabulary;
+        with the checkpoint's own draft vocabulary, its LM head's [T, Vd] logits in draft ids
+        (``compute_draft_logits``); with a serve-time draft vocabulary, ``hidden @ W[ids].T`` (times the
+        logits processor's scale) over its N rows in draft ids, from one sliced copy of the LM head's
+        weight (the target's, once shared)."""
         if not getattr(self, "_vocab_noted", True):
             self._vocab_noted = True
             logger.info("vllm_dspark: %s", "; ".join(vocab_tensor_notes(self)))
         if self.draft_ids is None:
+            if getattr(self, "draft_id_to_target_id", None) is not None:
+                # The checkpoint's own draft vocabulary: compute_logits would scatter the head's [T, Vd]
+                # logits to target ids (-inf elsewhere); the stage drafts in draft ids and maps them itself.
+                return self.compute_draft_logits
             return self.compute_logits
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 

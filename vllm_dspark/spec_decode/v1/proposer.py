@@ -58,6 +58,7 @@ from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStag
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
+from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_texts, merge_copies
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
 
 logger = logging.getLogger("vllm_dspark")
@@ -75,14 +76,6 @@ class Decision:
     sampled: np.ndarray  # [batch] bool
     plan: Plan
     copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
-
-
-@dataclass(frozen=True)
-class CopyOffer:
-    """The copy source's drafts for the whole batch, made before the plan (they are what it weighs)."""
-
-    drafts: Drafts  # [batch, N] target ids; confidence 0 past each copy
-    lengths: list[int]  # copied tokens per request (0: no match, or not drafting)
 
 
 @dataclass(frozen=True)
@@ -268,7 +261,7 @@ class DSparkProposer(DFlashProposer):
         t = self._lap("markov_stage", t)
         kept, picks = self._allocate(d, drafts)
         if d.copy is not None and COPY_SOURCE in picks:
-            drafts = _merge(drafts, d.copy.drafts, picks, d.sampled)
+            drafts = merge_copies(drafts, d.copy.drafts, picks, d.sampled)
         return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
 
     def _block_forward(self, num_query: int, sample_rows: torch.Tensor, block_cad, mm_embed_inputs):
@@ -384,7 +377,9 @@ class DSparkProposer(DFlashProposer):
         offer = None
         if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
             t_copy = time.perf_counter()
-            offer = self._copy_offer(req_ids, caps, cad, num_rejected, next_token_ids)
+            self._copy_rows = copy_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
+            assert self.copy_source is not None
+            offer = copy_offer(self.copy_source, req_ids, caps, self._copy_rows, next_token_ids, self.n_draft)
             self._lap("copy_source", t_copy)
         plan = self._plan(caps, sampled, offer)
         t1 = time.perf_counter()
@@ -503,45 +498,6 @@ class DSparkProposer(DFlashProposer):
         return Plan.from_wire(self.consensus.decide(plan))
 
     # ------------------------------------------------------------------ the copy source
-    def _copy_offer(self, req_ids: list[str], caps: list[int], cad, num_rejected, next_token_ids) -> CopyOffer:
-        """The copy source's drafts for every request that may draft this step."""
-        assert self.copy_source is not None
-        self._copy_rows = self._copy_texts(req_ids, cad, num_rejected, next_token_ids)
-        self.copy_source.retain(req_ids)
-        rows = [i for i in range(len(req_ids)) if caps[i] > 0 and i in self._copy_rows]
-        n = self.n_draft
-        tokens = torch.zeros(len(req_ids), n, dtype=torch.int64)
-        conf = torch.zeros(len(req_ids), n, dtype=torch.float32)
-        lengths = [0] * len(req_ids)
-        if rows:
-            got = self.copy_source.draft(DraftBatch(rows=rows, anchors=next_token_ids, num_tokens=n,
-                                                    sampled=np.zeros(len(req_ids), dtype=bool)))
-            tokens[rows], conf[rows] = got.tokens, got.confidence
-            for j, i in enumerate(rows):
-                lengths[i] = int((got.confidence[j] > 0).sum())
-        return CopyOffer(Drafts(tokens, conf, None, COPY_SOURCE, "copy"), lengths)
-
-    def _copy_texts(self, req_ids: list[str], cad, num_rejected, next_token_ids) -> dict[int, tuple]:
-        """Each decoding request's known text: the runner's accepted tokens, the drafts this step's
-        verify accepted (still in its spec slots: the runner's bookkeeping runs after the drafter) and
-        the new token. A request mid-prefill has none yet."""
-        if self.runner is None:
-            return {}
-        ib = self.runner.input_batch
-        n = len(req_ids)
-        qlen = np.diff(cad.query_start_loc_cpu[: n + 1].numpy())
-        rej = num_rejected.tolist() if num_rejected is not None else [0] * n
-        nxt = next_token_ids[:n].tolist()
-        out = {}
-        for i, rid in enumerate(req_ids):
-            n0 = int(ib.num_tokens_no_spec[i])
-            spec = int(ib.num_computed_tokens_cpu[i]) + int(qlen[i]) - n0  # drafts this step verified
-            if spec < 0:
-                continue  # a prefill chunk: the prompt is not all in yet
-            accepted = max(0, spec - int(rej[i]))
-            out[i] = (rid, ib.token_ids_cpu[i, : n0 + accepted], (int(nxt[i]),), int(ib.num_prompt_tokens[i]))
-        return out
-
     def _copy_tokens(self, row: int) -> tuple[str, Sequence[int], Sequence[int], int]:
         return self._copy_rows[row]
 
@@ -721,22 +677,3 @@ def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
         probs[rows, :k] = drafts.probs
     return Drafts(tokens, conf, probs, drafts.source, drafts.path)
 
-
-def _merge(model: Drafts, copy: Drafts, picks: list[str], sampled: np.ndarray) -> Drafts:
-    """The model's drafts with the rows that picked the copy replaced by it. A sampled row's copy is a
-    deterministic proposal: its q is one-hot on the copied token (the rejection sampler's ratio test
-    is then exact); greedy rows need no q."""
-    rows = [i for i, p in enumerate(picks) if p == COPY_SOURCE]
-    dev = model.tokens.device
-    idx = torch.tensor(rows, dtype=torch.int64, device=dev)
-    tokens, conf = model.tokens.clone(), model.confidence.clone()
-    tokens[idx] = copy.tokens[rows].to(dev)
-    conf[idx] = copy.confidence[rows].to(dev)
-    probs = model.probs
-    if probs is not None:
-        probs = probs.clone()
-        for i in rows:
-            probs[i].zero_()
-            if sampled[i]:
-                probs[i].scatter_(-1, tokens[i].to(probs.device)[:, None], 1.0)
-    return Drafts(tokens, conf, probs, model.source, model.path)
