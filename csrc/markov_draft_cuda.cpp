@@ -34,13 +34,17 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
                        const std::optional<at::Tensor>& out_logits,
                        const std::optional<at::Tensor>& out_stats,
                        const std::optional<at::Tensor>& max_norms,
-                       const std::optional<at::Tensor>& d2t) {
+                       const std::optional<at::Tensor>& d2t,
+                       const std::optional<at::Tensor>& head_hidden,
+                       const std::optional<at::Tensor>& head_w, int64_t head_type) {
   // check_markov_args also puts every optional tensor on base_logits' device,
   // so a host conf_base / conf_w_markov / out_logits / out_stats / max_norms
   // is rejected here with its name instead of being dereferenced by a kernel.
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t);
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t,
+      head_hidden, head_w, head_type);
+  TORCH_CHECK(head_type == 0, "markov_draft: the CUDA kernels take the vanilla head only (head_type 0)");
   TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
   TORCH_CHECK(sh.num_reqs < (int64_t(1) << 24), "markov_draft: at most 2^24 requests per call");
   const c10::cuda::OptionalCUDAGuard guard(base_logits.device());

@@ -24,6 +24,8 @@ import torch
 
 from vllm_dspark.ops import markov as M
 from vllm_dspark.ops.markov_reference import (
+    HEAD_TYPES,
+    head_shapes,
     markov_draft_reference,
     markov_max_norms,
     markov_row_norms,
@@ -95,6 +97,29 @@ def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
     return out
 
 
+def with_head(case, head, *, seed=0, w_scale=2.0, hidden_std=1.0):
+    """``case`` with a gated or rnn Markov head, as the op takes it: ``head_type`` (1 or 2),
+    ``head_hidden`` [R, B, m] fp32 (the hidden part a caller precomputes, random here, std
+    ``hidden_std``) and ``head_w`` fp32 (the token side, entries ``w_scale / sqrt(fan_in)``)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    R, B, _ = case["base_logits"].shape
+    rank = case["markov_w2"].shape[1]
+    code = HEAD_TYPES.index(head) if isinstance(head, str) else int(head)
+    hh_shape, w_shape = head_shapes(code, R, B, rank)
+    out = dict(case)
+    out["head_type"] = code
+    out["head_hidden"] = torch.randn(hh_shape, generator=g) * hidden_std
+    out["head_w"] = torch.randn(w_shape, generator=g) * (w_scale / w_shape[1] ** 0.5)
+    return out
+
+
+def head_kwargs(case):
+    """The head arguments of ``case`` for ``markov_draft`` / ``markov_draft_reference`` ({} if vanilla)."""
+    if not case.get("head_type"):
+        return {}
+    return dict(head_hidden=case["head_hidden"], head_w=case["head_w"], head_type=case["head_type"])
+
+
 def temperatures(R, mode):
     if mode == "greedy":
         return torch.zeros(R)
@@ -154,7 +179,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
                          case["markov_w2"], norms, case["conf_base"], case["conf_w_markov"],
                          temp, case["seeds"], allow_fallback=False, return_stats=True,
                          max_norms=markov_max_norms(case["markov_w1"], norms)
-                         if with_max_norms else None, d2t=case.get("d2t"), **kw)
+                         if with_max_norms else None, d2t=case.get("d2t"), **head_kwargs(case), **kw)
     assert out.path == "compiled"
     return out
 
@@ -162,7 +187,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
 def run_reference(case, temp, **kw):
     return markov_draft_reference(case["base_logits"], case["anchor_ids"], case["markov_w1"],
                                   case["markov_w2"], case["conf_base"], case["conf_w_markov"],
-                                  temp, case["seeds"], d2t=case.get("d2t"), **kw)
+                                  temp, case["seeds"], d2t=case.get("d2t"), **head_kwargs(case), **kw)
 
 
 def assert_matches(out, ref):

@@ -86,6 +86,25 @@ Draft vocabularies (``d2t``, the op's last argument)
     Markov embedding, like a bad anchor, so even a bad map reads nothing out of
     bounds.
 
+Head variants (``head_type``, ``head_hidden``, ``head_w``: the op's last arguments)
+    Gated (1) and rnn (2) Markov heads (``spec_decode/common/heads.py``) replace ``e`` in
+    the bias by ``v``: gated ``v = sigmoid(Wg [h ; e] + bg) * e``, rnn ``v = tanh(o)``
+    with ``[a ; c ; o] = Wj [s ; e ; h] + bj`` and a state ``s`` carried along the block
+    (zero at its start). The parts that read the hidden rows ``h`` do not depend on the
+    drafted tokens: the caller computes them for every position at once, bias included,
+    as ``head_hidden`` [R, B, m] fp32 (gated m = rank, rnn m = 3 rank), and passes the
+    token-side weights ``head_w`` fp32 (gated ``Wg[:, H:]`` [rank, rank], rnn
+    ``Wj[:, :2 rank]`` [3 rank, 2 rank]). Per position the op computes ``v`` with small
+    fp64 matvecs (the gate and the state in fp64, ``v`` rounded once to fp32; the exact
+    order is ``markov_reference.head_stepper``) and runs the vanilla path on it: the
+    bias is ``markov_w2 @ v`` under the same contract, the pruning bound uses the
+    actual ``||v||`` of the row (CPU twin; the CUDA walk) and, in the CUDA candidate
+    pass, a bound that holds for every previous token (gated ``||v|| <= ||e|| <=
+    max||w1||``; rnn ``||v|| <= sqrt(rank)``, a loose bound: an rnn row with a strong
+    ``markov_w2`` more often goes dense). The confidence's Markov input stays ``e``.
+    Greedy and sampled rows, ``d2t``, ``out_logits`` and ``stats`` all work as for the
+    vanilla head. The wrapper refuses wrong head arguments by name (``check_head``).
+
 Build and use
     ``pip install --no-build-isolation -e .`` builds ``vllm_dspark._C`` (the op's
     schema in ``csrc/torch_bindings.cpp`` and the CPU twin, always; the CUDA
@@ -147,7 +166,9 @@ from typing import NamedTuple
 import torch
 
 from vllm_dspark.ops.markov_reference import (
+    HEAD_TYPES,
     check_d2t,
+    check_head,
     gumbel_noise,
     markov_draft_reference,
     markov_max_norms,
@@ -162,6 +183,8 @@ __all__ = [
     "markov_max_norms",
     "gumbel_noise",
     "check_d2t",
+    "check_head",
+    "HEAD_TYPES",
     "is_compiled_available",
 ]
 
@@ -207,7 +230,7 @@ def _register_fake() -> None:
     def _markov_draft_fake(base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms,
                            conf_base, conf_w_markov, temperature, seeds,
                            out_tokens, out_conf, out_logits, out_stats,
-                           max_norms=None, d2t=None):
+                           max_norms=None, d2t=None, head_hidden=None, head_w=None, head_type=0):
         # Mutates its outputs in place; nothing to allocate or return.
         return None
 
@@ -223,7 +246,7 @@ def is_compiled_available(device_type: str = "cpu") -> bool:
 
 
 def _why_not(base_logits: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
-             w2_row_norms: torch.Tensor) -> str | None:
+             w2_row_norms: torch.Tensor, head: int = 0) -> str | None:
     """The reason the compiled op cannot take this call, or None when it can."""
     if not _load():
         return _load_error
@@ -239,6 +262,8 @@ def _why_not(base_logits: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torc
         return "base_logits, Markov weights and row norms are on different devices"
     if base_logits.shape[-1] >= 2 ** 31:
         return "vocab >= 2^31"
+    if head and dev.type == "cuda":
+        return f"the CUDA kernels take the vanilla head only, not {HEAD_TYPES[head]}"
     return None
 
 
@@ -275,6 +300,9 @@ def markov_draft(
     *,
     max_norms: torch.Tensor | None = None,
     d2t: torch.Tensor | None = None,
+    head_hidden: torch.Tensor | None = None,
+    head_w: torch.Tensor | None = None,
+    head_type: int | str = 0,
     return_logits: bool = False,
     return_stats: bool = False,
     allow_fallback: bool = True,
@@ -311,6 +339,16 @@ def markov_draft(
         Draft-vocabulary offsets (target id = draft id + d2t[draft id]); see the
         module docstring. Refused (``ValueError``) unless int64 [V] on the base
         logits' device with every mapped id inside ``markov_w1``.
+    head_type : 0 / "vanilla" (default), 1 / "gated" or 2 / "rnn"
+        The Markov head variant (see "Head variants" in the module docstring).
+    head_hidden : [R, B, m] fp32, optional
+        The head's part that reads the backbone's hidden rows, every position, bias
+        included: gated ``Wg[:, :H] h + bg`` (m = rank), rnn ``Wj[:, 2 rank:] h + bj``
+        (m = 3 rank). Only with a gated or rnn ``head_type``.
+    head_w : fp32, optional
+        The head's token-side weights: gated ``Wg[:, H:]`` [rank, rank], rnn
+        ``Wj[:, :2 rank]`` [3 rank, 2 rank]. Refused (``ValueError``, naming the
+        argument) on a wrong shape, dtype or device, as ``d2t`` is.
     return_logits : bool
         Also return the corrected fp32 logits [R, B, V] (dense path).
     return_stats : bool
@@ -329,6 +367,7 @@ def markov_draft(
     dev = base_logits.device
     if d2t is not None:
         _check_d2t_once(d2t, V, int(markov_w1.shape[0]), dev)
+    head = check_head(head_type, head_hidden, head_w, R, B, int(markov_w2.shape[-1]), device=dev)
     if temperature is None:
         temperature = torch.zeros(R, dtype=torch.float32, device=dev)
     if seeds is None:
@@ -336,7 +375,7 @@ def markov_draft(
     if w2_row_norms is None:
         w2_row_norms = markov_row_norms(markov_w2)
 
-    reason = _why_not(base_logits, markov_w1, markov_w2, w2_row_norms)
+    reason = _why_not(base_logits, markov_w1, markov_w2, w2_row_norms, head)
     if reason is None:
         tokens = torch.empty(R, B, dtype=torch.int64, device=dev)
         conf = torch.empty(R, B, dtype=torch.float32, device=dev)
@@ -350,7 +389,8 @@ def markov_draft(
             None if conf_w_markov is None else conf_w_markov.to(torch.float32),
             temperature.to(torch.float32), seeds.to(torch.int64),
             tokens, conf, logits, stats,
-            None if max_norms is None else max_norms.to(torch.float32), d2t)
+            None if max_norms is None else max_norms.to(torch.float32), d2t,
+            *((head_hidden, head_w, head) if head else ()))
         return MarkovDraftOutput(tokens, conf, logits, stats, "compiled")
 
     if not allow_fallback:
@@ -358,5 +398,6 @@ def markov_draft(
     _log_once(reason)
     out = markov_draft_reference(
         base_logits, anchor_ids, markov_w1, markov_w2, conf_base, conf_w_markov,
-        temperature, seeds, return_logits=return_logits, d2t=d2t)
+        temperature, seeds, return_logits=return_logits, d2t=d2t, head_hidden=head_hidden, head_w=head_w,
+        head_type=head)
     return MarkovDraftOutput(out[0], out[1], out[2] if return_logits else None, None, "reference")
