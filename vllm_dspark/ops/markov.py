@@ -103,7 +103,10 @@ Head variants (``head_type``, ``head_hidden``, ``head_w``: the op's last argumen
     max||w1||``; rnn ``||v|| <= sqrt(rank)``, a loose bound: an rnn row with a strong
     ``markov_w2`` more often goes dense). The confidence's Markov input stays ``e``.
     Greedy and sampled rows, ``d2t``, ``out_logits`` and ``stats`` all work as for the
-    vanilla head. The wrapper refuses wrong head arguments by name (``check_head``).
+    vanilla head. CUDA: the walker computes ``v`` per position in its block (the rnn
+    state in the workspace, fp64; the pair tables are off for these heads), and the
+    dense path launches ``head_kernel`` before each position. The wrapper refuses
+    wrong head arguments by name (``check_head``); the op checks them too.
 
 Build and use
     ``pip install --no-build-isolation -e .`` builds ``vllm_dspark._C`` (the op's
@@ -144,12 +147,17 @@ Checked by
     anchors. ``tests/ops/test_markov_draft_vocab.py``: draft vocabularies
     (sorted and shuffled maps, anchors off the draft subset or outside
     ``markov_w1``, ``out_logits``, ``stats``, a K3-sized 32000-of-163840 case,
-    bad maps refused by name). ``tests/ops/test_simt_emulation.py`` runs the
+    bad maps refused by name). ``tests/ops/test_markov_heads_op.py``: gated and
+    rnn heads (both x greedy/sampled/mixed x full vocabulary/d2t x fp32/bf16,
+    the dense path, K3 vocabulary, strong bias, bad anchors, NaN policy, one
+    block per request, the older schema forms, bad head arguments refused by
+    name). ``tests/ops/test_simt_emulation.py`` runs the
     REAL CUDA source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs
     the full grid, K3 sizes, fp16 and draft vocabularies included) against the
     reference, with race, divergence and bounds checks, and shows that an
-    injected race, a wrong index, a divergent barrier and a drafted token fed to
-    ``markov_w1`` unmapped are caught. ``tests/ops/test_markov_cuda_compile.py``
+    injected race, a wrong index, a divergent barrier, a drafted token fed to
+    ``markov_w1`` unmapped, a head drafted with e for v and a frozen rnn state
+    are caught (gated/rnn heads are in its grid and in ``CUDA_CHECKS``). ``tests/ops/test_markov_cuda_compile.py``
     compiles the CUDA sources for sm_80/90/100/120 without spills and checks that
     a fast-math build stops. ``tests/ops/test_markov_cuda.py`` (GPU only) checks
     the CUDA op against the reference and an upstream-style dense loop; its
@@ -246,7 +254,7 @@ def is_compiled_available(device_type: str = "cpu") -> bool:
 
 
 def _why_not(base_logits: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torch.Tensor,
-             w2_row_norms: torch.Tensor, head: int = 0) -> str | None:
+             w2_row_norms: torch.Tensor) -> str | None:
     """The reason the compiled op cannot take this call, or None when it can."""
     if not _load():
         return _load_error
@@ -262,8 +270,6 @@ def _why_not(base_logits: torch.Tensor, markov_w1: torch.Tensor, markov_w2: torc
         return "base_logits, Markov weights and row norms are on different devices"
     if base_logits.shape[-1] >= 2 ** 31:
         return "vocab >= 2^31"
-    if head and dev.type == "cuda":
-        return f"the CUDA kernels take the vanilla head only, not {HEAD_TYPES[head]}"
     return None
 
 
@@ -375,7 +381,7 @@ def markov_draft(
     if w2_row_norms is None:
         w2_row_norms = markov_row_norms(markov_w2)
 
-    reason = _why_not(base_logits, markov_w1, markov_w2, w2_row_norms, head)
+    reason = _why_not(base_logits, markov_w1, markov_w2, w2_row_norms)
     if reason is None:
         tokens = torch.empty(R, B, dtype=torch.int64, device=dev)
         conf = torch.empty(R, B, dtype=torch.float32, device=dev)
