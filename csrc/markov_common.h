@@ -162,8 +162,45 @@ DSPARK_HD int64_t draft_to_target(int64_t draft_id, int64_t offset) {
 // ---------------------------------------------------------------------------
 // Confidence (reference: sigmoid in fp64, returned as fp32).
 // ---------------------------------------------------------------------------
-DSPARK_HD float confidence(double z) {
-  return static_cast<float>(1.0 / (1.0 + ::exp(-z)));
+DSPARK_HD double sigmoid64(double z) { return 1.0 / (1.0 + ::exp(-z)); }
+
+DSPARK_HD float confidence(double z) { return static_cast<float>(sigmoid64(z)); }
+
+// ---------------------------------------------------------------------------
+// Head variants (reference: head_stepper). head_type 0 vanilla (v = e),
+// 1 gated, 2 rnn. z is fp64(head_hidden) + the fp64 matvec of head_w with the
+// token side (gated: e; rnn: [s ; e]); v is rounded once to fp32 and then
+// takes e's place in the bias; the rnn state stays fp64.
+// ---------------------------------------------------------------------------
+constexpr int kHeadVanilla = 0;
+constexpr int kHeadGated = 1;
+constexpr int kHeadRnn = 2;
+
+// Width of head_hidden's rows (m) and of head_w's rows (the token side).
+DSPARK_HD int64_t head_hidden_width(int head_type, int64_t rank) {
+  return head_type == kHeadRnn ? 3 * rank : rank;
+}
+DSPARK_HD int64_t head_in_width(int head_type, int64_t rank) {
+  return head_type == kHeadRnn ? 2 * rank : rank;
+}
+
+// gated: v = fp32(sigmoid(z) * e)
+DSPARK_HD float gated_value(double z, double e) { return static_cast<float>(sigmoid64(z) * e); }
+
+// rnn: s' = sigmoid(a) * s + (1 - sigmoid(a)) * tanh(c), v = fp32(tanh(o))
+DSPARK_HD double rnn_state(double a, double c, double s) {
+  const double g = sigmoid64(a);
+  return g * s + (1.0 - g) * ::tanh(c);
+}
+DSPARK_HD float rnn_value(double o) { return static_cast<float>(::tanh(o)); }
+
+// A bound of ||v|| that does not depend on the previous token, for the CUDA
+// candidate pass: gated |g| <= 1, so ||v|| <= ||e|| <= e_max (fp32 rounding of
+// g * e is monotone and never exceeds |e|); rnn |tanh| <= 1, so ||v|| <=
+// sqrt(rank), rounded up by 1e-6 relative like markov_max_norms.
+DSPARK_HD float head_v_max(int head_type, int64_t rank, float e_max) {
+  return head_type == kHeadRnn ? static_cast<float>(::sqrt(static_cast<double>(rank)) * (1.0 + 1e-6))
+                               : e_max;
 }
 
 }  // namespace dspark

@@ -24,7 +24,8 @@ inline MarkovShapes check_markov_args(
     const at::Tensor& seeds, const at::Tensor& out_tokens, const at::Tensor& out_conf,
     const std::optional<at::Tensor>& out_logits,
     const std::optional<at::Tensor>& out_stats, const std::optional<at::Tensor>& max_norms,
-    const std::optional<at::Tensor>& d2t) {
+    const std::optional<at::Tensor>& d2t, const std::optional<at::Tensor>& head_hidden,
+    const std::optional<at::Tensor>& head_w, int64_t head_type) {
   TORCH_CHECK(base_logits.dim() == 3, "markov_draft: base_logits must be [R, B, V], got ",
               base_logits.sizes());
   const int64_t R = base_logits.size(0), B = base_logits.size(1), V = base_logits.size(2);
@@ -92,6 +93,27 @@ inline MarkovShapes check_markov_args(
   // synchronise with a device. The wrapper and the loaders check them once; a
   // mapped id outside markov_w1 gets no Markov embedding, like a bad anchor.
   if (d2t.has_value()) check_1d(*d2t, V, at::kLong, "d2t");
+  // The head variant (markov_common.h: kHeadVanilla / kHeadGated / kHeadRnn).
+  TORCH_CHECK(head_type >= 0 && head_type <= 2, "markov_draft: head_type must be 0 (vanilla), "
+              "1 (gated) or 2 (rnn), got ", head_type);
+  if (head_type == 0) {
+    TORCH_CHECK(!head_hidden.has_value() && !head_w.has_value(),
+                "markov_draft: head_hidden/head_w given but head_type is 0 (vanilla)");
+  } else {
+    const char* name = head_type == 1 ? "gated" : "rnn";
+    const int64_t m = head_type == 1 ? rank : 3 * rank;
+    const int64_t in = head_type == 1 ? rank : 2 * rank;
+    TORCH_CHECK(head_hidden.has_value(), "markov_draft: the ", name, " head needs head_hidden [",
+                R, ", ", B, ", ", m, "] fp32");
+    TORCH_CHECK(head_w.has_value(), "markov_draft: the ", name, " head needs head_w [", m, ", ", in,
+                "] fp32");
+    const auto& hh = *head_hidden;
+    TORCH_CHECK(hh.dim() == 3 && hh.size(0) == R && hh.size(1) == B && hh.size(2) == m &&
+                    hh.scalar_type() == at::kFloat,
+                "markov_draft: head_hidden must be [", R, ", ", B, ", ", m, "] fp32 for the ", name,
+                " head, got ", hh.sizes(), " of ", hh.scalar_type());
+    check_2d(*head_w, m, in, at::kFloat, "head_w");
+  }
   // Every tensor, optional ones included, must live on base_logits' device:
   // a host tensor handed to the CUDA op would otherwise be dereferenced by a
   // kernel.
@@ -114,6 +136,8 @@ inline MarkovShapes check_markov_args(
   if (out_stats.has_value()) same_device(*out_stats, "out_stats");
   if (max_norms.has_value()) same_device(*max_norms, "max_norms");
   if (d2t.has_value()) same_device(*d2t, "d2t");
+  if (head_hidden.has_value()) same_device(*head_hidden, "head_hidden");
+  if (head_w.has_value()) same_device(*head_w, "head_w");
   return {R, B, V, markov_w1.size(0), rank};
 }
 

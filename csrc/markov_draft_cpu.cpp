@@ -13,6 +13,9 @@
 //      candidates whose own bound can still beat the best exact score so far.
 // A row whose tier-2 candidates overflow kCandCap, and every row when
 // out_logits is requested, is computed densely instead.
+// Gated / rnn heads (head_type 1 / 2): head_step turns the previous token's
+// embedding e into v (and advances the rnn state) before the row is solved;
+// the bias and the bound then read v and ||v||, the confidence still reads e.
 // The CUDA kernel (markov_draft_kernels.cu) has the same phases under device
 // names: pass 1 is cand_kernel + Walker::merge, phase 2 is Walker::pruned
 // (plus Walker::pair_tables for small sets), RowSolver::dense is
@@ -183,6 +186,9 @@ struct Args {
   float* out_logits;  // nullable
   int32_t* out_stats;  // nullable
   const int64_t* d2t;  // nullable: [V] offsets, draft id -> target id (the row of w1)
+  const float* head_hidden;  // nullable: [R, B, m] the head's hidden part (gated m = rank, rnn 3 rank)
+  const float* head_w;       // nullable: [m, rank] gated, [3 rank, 2 rank] rnn
+  int head_type;             // kHeadVanilla / kHeadGated / kHeadRnn (markov_common.h)
   float max_norm;      // max_j norms[j]
   int64_t R, B, V, rank;
   int64_t V1;          // rows of w1: the ids with a Markov embedding are [0, V1)
@@ -199,7 +205,50 @@ struct Scratch {
   std::vector<float> cand_ub;
   std::vector<double> e64;
   std::vector<float> row;  // [V] logits of a dense row (allocated on first use)
+  // Head variants: the rnn state [rank] (fp64, zero at each block's start), the
+  // pre-activations z [3 rank], the token side [s ; e] [2 rank] and v [rank].
+  std::vector<double> state, z, x, v64;
+
+  void init_head(const Args& a) {
+    if (a.head_type == kHeadVanilla) return;
+    state.assign(a.rank, 0.0);
+    z.resize(3 * a.rank);
+    x.resize(2 * a.rank);
+    v64.resize(a.rank);
+  }
 };
+
+// One position of a gated or rnn head (reference: head_stepper): v from the
+// previous token's embedding e (and the rnn state, which it advances) into v,
+// as fp32 values held in fp64. Returns ||v||^2 (fp64), the row's bias bound.
+inline double head_step(const Args& a, int64_t row, const double* e, double* state, double* z,
+                        double* x, double* v) {
+  const int64_t rank = a.rank;
+  const int64_t m = head_hidden_width(a.head_type, rank), in = head_in_width(a.head_type, rank);
+  const float* hh = a.head_hidden + row * m;
+  const double* xs = e;  // gated: the token side is e
+  if (a.head_type == kHeadRnn) {
+    std::memcpy(x, state, sizeof(double) * rank);
+    std::memcpy(x + rank, e, sizeof(double) * rank);
+    xs = x;
+  }
+  for (int64_t k = 0; k < m; ++k) {
+    z[k] = static_cast<double>(hh[k]) + dot64(a.head_w + k * in, xs, in);
+  }
+  double n2 = 0.0;
+  for (int64_t k = 0; k < rank; ++k) {
+    float vk;
+    if (a.head_type == kHeadGated) {
+      vk = gated_value(z[k], e[k]);
+    } else {
+      state[k] = rnn_state(z[k], z[rank + k], state[k]);
+      vk = rnn_value(z[2 * rank + k]);
+    }
+    v[k] = static_cast<double>(vk);
+    n2 += v[k] * v[k];
+  }
+  return n2;
+}
 
 template <typename TB, typename TW>
 struct RowSolver {
@@ -207,7 +256,7 @@ struct RowSolver {
   Scratch& s;
   const TB* base;       // [V] of this row
   const TW* w2;         // [V, rank]
-  const double* e64;    // [rank]
+  const double* e64;    // [rank] the vector the bias is markov_w2 @ (v; e for the vanilla head)
   float T;              // > 0: sampled
   bool sampled;
   uint32_t key;
@@ -427,6 +476,7 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
   const bool sampled = T > 0.f;
   int64_t prev = a.anchor[r];
   double* e64 = s.e64.data();
+  if (a.head_type != kHeadVanilla) std::fill(s.state.begin(), s.state.end(), 0.0);  // s_{-1} = 0
   for (int64_t i = 0; i < a.B; ++i) {
     const int64_t row = r * a.B + i;
     // Anchor policy: an id outside markov_w1 has no Markov embedding (e = 0).
@@ -437,7 +487,13 @@ void draft_request(const Args& a, int64_t r, Scratch& s) {
       e64[k] = valid ? static_cast<double>(to_f(w1row[k])) : 0.0;
       en2 += e64[k] * e64[k];
     }
-    RowSolver<TB, TW> solver{a, s, static_cast<const TB*>(a.base) + row * a.V, w2, e64,
+    // The bias reads v: e itself (vanilla), or the head's v with its own norm.
+    const double* v64 = e64;
+    if (a.head_type != kHeadVanilla) {
+      en2 = head_step(a, row, e64, s.state.data(), s.z.data(), s.x.data(), s.v64.data());
+      v64 = s.v64.data();
+    }
+    RowSolver<TB, TW> solver{a, s, static_cast<const TB*>(a.base) + row * a.V, w2, v64,
                              sampled ? T : 1.f, sampled,
                              sampled ? row_key(a.seeds[r], static_cast<int>(i)) : 0u};
     int64_t tok = -1;
@@ -475,6 +531,7 @@ void run_all(const Args& a) {
     s.cand.resize(kCandCap);
     s.cand_ub.resize(kCandCap);
     s.e64.resize(a.rank);
+    s.init_head(a);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t r = 0; r < R; ++r) draft_request<TB, TW>(a, r, s);
   }
@@ -492,12 +549,22 @@ void run_dense_all(const Args& a) {
   (void)gumbel_tables();
   std::vector<int64_t> prev(a.anchor, a.anchor + R);
   std::vector<double> E(static_cast<size_t>(R * rank));  // [R, rank] embeddings
+  // Head variants: v per request [R, rank] (the bias reads it), the rnn states
+  // [R, rank] (zero at the block's start) and one request's head scratch.
+  const bool head = a.head_type != kHeadVanilla;
+  std::vector<double> Vh(head ? static_cast<size_t>(R * rank) : 0);
+  std::vector<double> S(head ? static_cast<size_t>(R * rank) : 0, 0.0);
+  std::vector<double> Z(head ? 3 * rank : 0), X(head ? 2 * rank : 0);
+  const double* bias_vec = head ? Vh.data() : E.data();
   const int64_t ntiles = (V + kDenseRows - 1) / kDenseRows;
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t r = 0; r < R; ++r) {
       const bool valid = prev[r] >= 0 && prev[r] < a.V1;  // anchor policy: e = 0
       for (int64_t k = 0; k < rank; ++k) {
         E[r * rank + k] = valid ? static_cast<double>(to_f(w1[prev[r] * rank + k])) : 0.0;
+      }
+      if (head) {
+        head_step(a, r * B + i, &E[r * rank], &S[r * rank], Z.data(), X.data(), &Vh[r * rank]);
       }
     }
 #pragma omp parallel for schedule(static)
@@ -506,7 +573,7 @@ void run_dense_all(const Args& a) {
       const int64_t j0 = t * kDenseRows;
       const int64_t n = std::min(kDenseRows, V - j0);
       for (int64_t r = 0; r < R; ++r) {
-        dot_rows(w2 + j0 * rank, n, rank, &E[r * rank], tmp);
+        dot_rows(w2 + j0 * rank, n, rank, bias_vec + r * rank, tmp);
         const int64_t row = r * B + i;
         const TB* b = base + row * V + j0;
         float* out = a.out_logits + row * V + j0;
@@ -557,12 +624,15 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
                       const std::optional<at::Tensor>& out_logits,
                       const std::optional<at::Tensor>& out_stats,
                       const std::optional<at::Tensor>& max_norms,
-                      const std::optional<at::Tensor>& d2t) {
+                      const std::optional<at::Tensor>& d2t,
+                      const std::optional<at::Tensor>& head_hidden,
+                      const std::optional<at::Tensor>& head_w, int64_t head_type) {
   // max_norms only feeds the CUDA kernel's prev-independent bound; the CPU twin
   // bounds each row with the exact embedding norm (checked for shape only).
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t);
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t,
+      head_hidden, head_w, head_type);
   if (sh.num_reqs == 0 || sh.block == 0) return;
   TORCH_CHECK(sh.vocab > 0, "markov_draft: vocab must be > 0");
   // Inputs are read in place when contiguous (the usual case).
@@ -573,8 +643,10 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   const at::Tensor norms = w2_row_norms.contiguous();
   const at::Tensor temp = temperature.contiguous();
   const at::Tensor sd = seeds.contiguous();
-  at::Tensor cb, cw, dt;
+  at::Tensor cb, cw, dt, hh, hw;
   if (conf_base.has_value()) cb = conf_base->contiguous();
+  if (head_hidden.has_value()) hh = head_hidden->contiguous();
+  if (head_w.has_value()) hw = head_w->contiguous();
   if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
   if (d2t.has_value()) dt = d2t->contiguous();
 
@@ -596,6 +668,9 @@ void markov_draft_cpu(const at::Tensor& base_logits, const at::Tensor& anchor_id
   a.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   a.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
   a.d2t = dt.defined() ? dt.data_ptr<int64_t>() : nullptr;
+  a.head_type = static_cast<int>(head_type);
+  a.head_hidden = hh.defined() ? hh.data_ptr<float>() : nullptr;
+  a.head_w = hw.defined() ? hw.data_ptr<float>() : nullptr;
   a.V1 = sh.w1_rows;
   float max_norm = 0.f;
   max_norm = std::max(max_norm, chunk_max(a.norms, sh.vocab));

@@ -34,13 +34,16 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
                        const std::optional<at::Tensor>& out_logits,
                        const std::optional<at::Tensor>& out_stats,
                        const std::optional<at::Tensor>& max_norms,
-                       const std::optional<at::Tensor>& d2t) {
+                       const std::optional<at::Tensor>& d2t,
+                       const std::optional<at::Tensor>& head_hidden,
+                       const std::optional<at::Tensor>& head_w, int64_t head_type) {
   // check_markov_args also puts every optional tensor on base_logits' device,
   // so a host conf_base / conf_w_markov / out_logits / out_stats / max_norms
   // is rejected here with its name instead of being dereferenced by a kernel.
   const MarkovShapes sh = check_markov_args(
       base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms, conf_base, conf_w_markov,
-      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t);
+      temperature, seeds, out_tokens, out_conf, out_logits, out_stats, max_norms, d2t,
+      head_hidden, head_w, head_type);
   TORCH_CHECK(base_logits.is_cuda(), "markov_draft: CUDA kernel called with CPU tensors");
   TORCH_CHECK(sh.num_reqs < (int64_t(1) << 24), "markov_draft: at most 2^24 requests per call");
   const c10::cuda::OptionalCUDAGuard guard(base_logits.device());
@@ -54,8 +57,10 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   const at::Tensor norms = w2_row_norms.contiguous();
   const at::Tensor temp = temperature.contiguous();
   const at::Tensor sd = seeds.contiguous();
-  at::Tensor cb, cw, mn, dt;
+  at::Tensor cb, cw, mn, dt, hh, hw;
   if (conf_base.has_value()) cb = conf_base->contiguous();
+  if (head_hidden.has_value()) hh = head_hidden->contiguous();
+  if (head_w.has_value()) hw = head_w->contiguous();
   if (conf_w_markov.has_value()) cw = conf_w_markov->contiguous();
   if (max_norms.has_value()) mn = max_norms->contiguous();
   if (d2t.has_value()) dt = d2t->contiguous();
@@ -78,6 +83,9 @@ void markov_draft_cuda(const at::Tensor& base_logits, const at::Tensor& anchor_i
   p.out_logits = out_logits.has_value() ? out_logits->data_ptr<float>() : nullptr;
   p.out_stats = out_stats.has_value() ? out_stats->data_ptr<int32_t>() : nullptr;
   p.d2t = dt.defined() ? dt.data_ptr<int64_t>() : nullptr;
+  p.head_hidden = hh.defined() ? hh.data_ptr<float>() : nullptr;
+  p.head_w = hw.defined() ? hw.data_ptr<float>() : nullptr;
+  p.head_type = static_cast<int>(head_type);
   p.V1 = sh.w1_rows;
   p.R = sh.num_reqs;
   p.B = sh.block;

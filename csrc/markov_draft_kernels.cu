@@ -36,6 +36,13 @@
 // the previous token's markov_w1 row is its target id (w1_row_of), and that
 // row exists when it lies in [0, V1) (has_w1_row, the anchor policy).
 //
+// Head variants (p.head_type gated / rnn): the bias is markov_w2 @ v with v
+// computed from the previous token's e by head_step (a block per request: the
+// walker, or head_kernel on the dense path; the rnn state lives in the
+// workspace, fp64). The candidate pass bounds ||v|| without the previous token
+// (head_v_max: gated max||w1||, rnn sqrt(rank)); the walk uses each row's own
+// ||v||. The pair tables (which precompute e-dots) are off for these heads.
+//
 // Graph-capturable: launch shapes depend only on the sizes, no host
 // synchronisation, no allocation (scratch is the caller's workspace, see
 // markov_workspace_bytes). Exactness: the same per-element math as the CPU twin
@@ -313,6 +320,8 @@ struct Workspace {
   float* je;            // [R * B * rank] embeddings of posted jobs
   float* jbest_s;       // [R * B * Td]
   long long* jbest_j;   // [R * B * Td]
+  double* hz;           // [R * 3 * rank] head pre-activations (gated / rnn heads only)
+  double* hstate;       // [R * rank] rnn state, fp64 (rnn head only)
 };
 
 inline size_t align256(size_t x) { return (x + 255) / 256 * 256; }
@@ -339,6 +348,9 @@ inline Workspace carve(const MarkovDraftParams& p, void* base, size_t* total) {
   w.je = reinterpret_cast<float*>(take(sizeof(float) * rows * p.rank));
   w.jbest_s = reinterpret_cast<float*>(take(sizeof(float) * rows * w.Td));
   w.jbest_j = reinterpret_cast<long long*>(take(sizeof(long long) * rows * w.Td));
+  const bool head = p.head_type != kHeadVanilla;
+  w.hz = reinterpret_cast<double*>(take(head ? sizeof(double) * p.R * 3 * p.rank : 0));
+  w.hstate = reinterpret_cast<double*>(take(p.head_type == kHeadRnn ? sizeof(double) * p.R * p.rank : 0));
   if (total != nullptr) *total = off;
   return w;
 }
@@ -378,10 +390,14 @@ __device__ __forceinline__ float exact_score(float logit, bool sampled, float T,
   return sampled_score(logit, T, gumbel_exact(token_hash(key, static_cast<uint32_t>(j))));
 }
 
-// M = max||w2|| * max||w1||, inflated like every other bias bound.
-__device__ __forceinline__ float uniform_bound(const float* mn) {
-  const float e_max = gld(mn), w2_max = gld(mn + 1);
-  return bias_bound(w2_max, bound_scale(static_cast<double>(e_max)));
+// max ||v|| over every previous token: max||w1|| (vanilla, gated), sqrt(rank) (rnn).
+__device__ __forceinline__ float v_max_of(const MarkovDraftParams& p, const float* mn) {
+  return head_v_max(p.head_type, p.rank, gld(mn));
+}
+
+// M = max||w2|| * max||v||, inflated like every other bias bound.
+__device__ __forceinline__ float uniform_bound(const MarkovDraftParams& p, const float* mn) {
+  return bias_bound(gld(mn + 1), bound_scale(static_cast<double>(v_max_of(p, mn))));
 }
 
 template <typename T>
@@ -484,7 +500,7 @@ __global__ void __launch_bounds__(kCandThreads) cand_kernel(MarkovDraftParams p,
   const float T = gld(p.temperature + r);
   const bool sampled = T > 0.f;
   const uint32_t key = sampled ? row_key(gld(p.seeds + r), static_cast<int>(i)) : 0u;
-  const float M = uniform_bound(norms_src(p, w));
+  const float M = uniform_bound(p, norms_src(p, w));
 
   const TB* b = static_cast<const TB*>(p.base) + row * p.V;
   const int64_t j0 = tile * kTile1;
@@ -678,6 +694,51 @@ __device__ __forceinline__ void serve_tile(const MarkovDraftParams& p, const Wor
   }
 }
 
+// ------------------------------------------------------------- head step
+// One position of a gated or rnn head (reference: head_stepper), by a whole
+// block for request r, row `row`: z = head_hidden[row] + head_w @ x with x = e
+// (gated) or [s ; e] (rnn, the request's fp64 state in the workspace), a warp
+// per output; then, a thread per k, v_k (and the new state). e_at(k) reads e,
+// v_put(k, v) writes v (it may overwrite e: thread k reads e_k, then writes
+// v_k). Returns ||v|| (fp64) to every thread; v is published on return.
+template <int NT, typename EAt, typename VPut>
+__device__ __forceinline__ double head_step(const MarkovDraftParams& p, const Workspace& w, int64_t r,
+                                            int64_t row, EAt e_at, VPut v_put, sptr<double> scr_d) {
+  constexpr int NW = NT / 32;
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31, warp = tid >> 5;
+  const int64_t rank = p.rank;
+  const bool rnn = p.head_type == kHeadRnn;
+  const int64_t m = head_hidden_width(p.head_type, rank), in = head_in_width(p.head_type, rank);
+  double* z = w.hz + r * 3 * rank;
+  double* s = w.hstate + r * rank;  // rnn only
+  const float* hh = p.head_hidden + row * m;
+  for (int64_t k = warp; k < m; k += NW) {
+    double acc = 0.0;
+    for (int64_t c = lane; c < in; c += 32) {
+      const double x = !rnn ? static_cast<double>(e_at(c))
+                            : c < rank ? gld(s + c) : static_cast<double>(e_at(c - rank));
+      acc += static_cast<double>(gld(p.head_w + k * in + c)) * x;
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) gst(z + k, static_cast<double>(gld(hh + k)) + acc);
+  }
+  __syncthreads();  // z complete; every read of e and of the old state done
+  double n2 = 0.0, unused = 0.0;
+  for (int64_t k = tid; k < rank; k += NT) {
+    float v;
+    if (rnn) {
+      gst(s + k, rnn_state(gld(z + k), gld(z + rank + k), gld(s + k)));
+      v = rnn_value(gld(z + 2 * rank + k));
+    } else {
+      v = gated_value(gld(z + k), static_cast<double>(e_at(k)));
+    }
+    v_put(k, v);
+    n2 += static_cast<double>(v) * static_cast<double>(v);
+  }
+  block_sum2<NW>(n2, unused, scr_d);  // its barriers also publish v and the state
+  return sqrt(n2);
+}
+
 // --------------------------------------------------------- 2. the walk
 // walk_kernel: one block per request (its walker) plus kHelpers helper blocks.
 // A walker runs the CPU twin's phases (markov_draft_cpu.cpp) as named device
@@ -791,9 +852,9 @@ struct Walker : WalkBlock {
         sampled(T > 0.f),
         seed(gld(p.seeds + r)),
         mn(norms_src(p, w)),
-        e_max(static_cast<double>(gld(mn))),
+        e_max(static_cast<double>(v_max_of(p, mn))),
         w2_max(gld(mn + 1)),
-        M(uniform_bound(mn)),
+        M(uniform_bound(p, mn)),
         anchor(gld(p.anchor + r)),
         B(p.B),
         T1(w.T1) {}
@@ -802,8 +863,10 @@ struct Walker : WalkBlock {
   // best lower bound kept (tokens below a tile's own best lower bound were
   // never candidates). Equal keys (e.g. both -inf) do not certify.
   __device__ __forceinline__ bool certified(int64_t i) const { return s_Dkey[i] < s_Lkey[i]; }
+  // (Not for gated / rnn heads: their v is not a function of the previous token alone.)
   __device__ __forceinline__ bool in_table(int64_t i) const {
-    return i < kTablePos && certified(i) && s_nF[i] >= 1 && s_nF[i] <= kTableCap;
+    return p.head_type == kHeadVanilla && i < kTablePos && certified(i) && s_nF[i] >= 1 &&
+           s_nF[i] <= kTableCap;
   }
   // Position i is walked from the tables when its set and the previous one
   // (the possible previous tokens) are both small.
@@ -935,14 +998,23 @@ struct Walker : WalkBlock {
   // ---- phase 3, the walk: positions in order, each from the tables, else
   // from the certified set, else dense.
   __device__ __forceinline__ void walk() {
+    if (p.head_type == kHeadRnn) {  // s_{-1} = 0 (published by prev_embedding's barriers)
+      for (int64_t k = tid; k < p.rank; k += NT) gst(w.hstate + r * p.rank + k, 0.0);
+    }
     int64_t i = 0;
     while (true) {
       i = walk_tables(i);
       if (i >= B) break;
       // ---- block-wide step for position i
       const bool generic = certified(i);
-      double e_norm;
+      double e_norm;  // ||v||: the bias reads v (e itself for the vanilla head)
       const float conf = prev_embedding(r * B + i, &e_norm);
+      if (p.head_type != kHeadVanilla) {
+        const sptr<float> e = s_e;
+        e_norm = head_step<NT>(
+            p, w, r, r * B + i, [&](int64_t k) { return static_cast<float>(e[k]); },
+            [&](int64_t k, float v) { e[k] = v; }, scr_d);
+      }
       if (!(generic && e_norm <= e_max && pruned(i, e_norm, conf))) dense(i, conf);
       __syncthreads();
       ++i;
@@ -1179,6 +1251,27 @@ __global__ void __launch_bounds__(kWalkThreads, 1) walk_kernel(MarkovDraftParams
 // ------------------------------------------------------------ dense path
 // Position i for every request: each block reads one markov_w2 tile once for
 // all requests (the later requests' re-reads hit L2) and keeps the tile's best.
+// Gated / rnn heads: before dense_kernel(i), v of position i for every
+// request (a block each) into the job embeddings w.je, from e of the token
+// pick_kernel(i - 1) wrote; the rnn state starts at zero at i == 0.
+template <typename TW>
+__global__ void __launch_bounds__(256) head_kernel(MarkovDraftParams p, Workspace w, int64_t i) {
+  DSPARK_SMEM_ARRAY(double, scr_d, 16);
+  const int64_t r = blockIdx.x, row = r * p.B + i;
+  const TW* w1 = static_cast<const TW*>(p.w1);
+  const int64_t prev = i == 0 ? gld(p.anchor + r) : w1_row_of(p, gld(p.out_tokens + row - 1));
+  const bool valid = has_w1_row(p, prev);
+  float* v = w.je + row * p.rank;
+  for (int64_t k = threadIdx.x; k < p.rank; k += 256) {
+    gst(v + k, valid ? ldf(w1, prev * p.rank + k) : 0.f);  // e, overwritten by v below
+    if (i == 0 && p.head_type == kHeadRnn) gst(w.hstate + r * p.rank + k, 0.0);
+  }
+  __syncthreads();
+  head_step<256>(
+      p, w, r, row, [&](int64_t k) { return gld(v + k); }, [&](int64_t k, float x) { gst(v + k, x); },
+      scr_d);
+}
+
 template <typename TW>
 __global__ void __launch_bounds__(kDenseThreads) dense_kernel(MarkovDraftParams p, Workspace w,
                                                                int64_t i) {
@@ -1188,6 +1281,10 @@ __global__ void __launch_bounds__(kDenseThreads) dense_kernel(MarkovDraftParams 
   const TW* w1 = static_cast<const TW*>(p.w1);
   for (int64_t r = 0; r < p.R; ++r) {
     const int64_t row = r * p.B + i;
+    if (p.head_type != kHeadVanilla) {  // v from head_kernel (always defined: no anchor policy on v)
+      score_tile<TW, float, kDenseThreads>(p, w, t, row, w.je + row * p.rank, true, scr_s, scr_j);
+      continue;
+    }
     const int64_t prev = i == 0 ? gld(p.anchor + r) : w1_row_of(p, gld(p.out_tokens + row - 1));
     const bool valid = has_w1_row(p, prev);
     score_tile<TW, TW, kDenseThreads>(p, w, t, row, w1 + (valid ? prev : 0) * p.rank, valid,
@@ -1253,7 +1350,11 @@ cudaError_t launch_typed(const MarkovDraftParams& p, const Workspace& w, cudaStr
   }
   auto* dense = &dense_kernel<TW>;
   auto* pick = &pick_kernel<TW>;
+  auto* head = &head_kernel<TW>;
   for (int64_t i = 0; i < p.B; ++i) {
+    if (p.head_type != kHeadVanilla) {
+      DSPARK_LAUNCH(head, dim3(static_cast<unsigned>(p.R)), dim3(256), 0, stream, p, w, i);
+    }
     DSPARK_LAUNCH(dense, dim3(static_cast<unsigned>(w.Td)), dim3(kDenseThreads), 0, stream, p, w,
                   i);
     DSPARK_LAUNCH(pick, dim3(static_cast<unsigned>(p.R)), dim3(256), 0, stream, p, w, i);
@@ -1283,7 +1384,8 @@ cudaError_t launch_markov_draft(const MarkovDraftParams& p, void* workspace,
                                 cudaStream_t stream) {
   if (p.R == 0 || p.B == 0) return cudaSuccess;
   if (p.R > (int64_t(1) << 24) || p.V <= 0 || p.V >= (int64_t(1) << 31) || p.V1 <= 0 ||
-      p.rank <= 0 || workspace == nullptr) {
+      p.rank <= 0 || workspace == nullptr || p.head_type < kHeadVanilla || p.head_type > kHeadRnn ||
+      (p.head_type != kHeadVanilla && (p.head_hidden == nullptr || p.head_w == nullptr))) {
     return cudaErrorInvalidValue;
   }
   const Workspace w = carve(p, workspace, nullptr);

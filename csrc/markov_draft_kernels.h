@@ -35,12 +35,16 @@ struct MarkovDraftParams {
   float* out_logits;         // [R, B, V] or nullptr (nullptr: pruned path)
   int32_t* out_stats;        // [R, B] or nullptr
   const int64_t* d2t;        // [V] draft id -> target id offsets, or nullptr (identity)
+  const float* head_hidden;  // [R, B, m] the head's hidden part (gated m = rank, rnn 3 rank), or nullptr
+  const float* head_w;       // gated [rank, rank], rnn [3 rank, 2 rank], or nullptr
+  int head_type;             // kHeadVanilla (0), kHeadGated (1), kHeadRnn (2): markov_common.h
   int64_t R, B, V, rank;
   int64_t V1;                // rows of w1 (V without d2t): the ids with an embedding
 };
 
 // Bytes of global scratch launch_markov_draft needs for these sizes (a pure
-// function of the sizes and of whether out_logits / max_norms are given). The
+// function of the sizes, of the head type and of whether out_logits /
+// max_norms are given). The
 // torch glue allocates it with the caching allocator before the launch; under
 // CUDA-graph capture that allocation comes from the graph's private pool, so
 // it is neither a host synchronisation nor a cudaMalloc inside the graph.

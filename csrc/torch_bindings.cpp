@@ -31,12 +31,20 @@ TORCH_LIBRARY(vllm_dspark, m) {
   //              + d2t[draft id]). Tokens, logits and stats stay in draft ids; only
   //              the previous token's markov_w1 row is its target id. Appended last
   //              so that positional callers of the older schema keep working.
+  //   head_hidden [R, B, m] fp32 or None, head_w fp32 or None, head_type int (0 vanilla,
+  //              1 gated: m = rank, head_w [rank, rank]; 2 rnn: m = 3 rank, head_w
+  //              [3 rank, 2 rank]): the Markov head variant. head_hidden is the part
+  //              that reads the backbone's hidden rows (precomputed by the caller for
+  //              every position, bias included), head_w the token side; the op computes
+  //              v from e (and the rnn state) and adds markov_w2 @ v. Appended after d2t
+  //              for the same reason; the default is the vanilla head.
   m.def(
       "markov_draft(Tensor base_logits, Tensor anchor_ids, Tensor markov_w1, "
       "Tensor markov_w2, Tensor w2_row_norms, Tensor? conf_base, Tensor? conf_w_markov, "
       "Tensor temperature, Tensor seeds, Tensor(a!) out_tokens, Tensor(b!) out_conf, "
       "Tensor(c!)? out_logits, Tensor(d!)? out_stats, Tensor? max_norms=None, "
-      "Tensor? d2t=None) -> ()");
+      "Tensor? d2t=None, Tensor? head_hidden=None, Tensor? head_w=None, "
+      "int head_type=0) -> ()");
   // argmax over the last dimension of x[rows] (all rows when None), as torch.argmax gives it.
   // CPU only (row_argmax_cpu.cpp): torch's CPU argmax does not vectorise; on other devices the
   // callers keep torch's. Used by the greedy verify shortcut of the rejection-sampler patch.

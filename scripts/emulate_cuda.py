@@ -10,7 +10,8 @@ launch counters; see ``tests/ops/simt/simt_compat.h``). The build is cached in
 ``python scripts/emulate_cuda.py --check`` runs the op's test grid through the
 real kernel source and compares every case with ``markov_draft_reference``:
 tokens equal, confidences within 1e-6, logits within 1e-6 (draft-vocabulary
-cases, ``d2t``, included: ``with_draft_vocab``). It exits
+cases, ``d2t``, included: ``with_draft_vocab``; gated and rnn heads,
+``head_type``: ``with_head``, ``head_grid``). It exits
 0 only if every case matches and the harness reported no error. ``--quick``
 runs the bounded subset that ``tests/ops/test_simt_emulation.py`` uses.
 
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.ops.markov_cases import with_draft_vocab  # noqa: E402  (one case builder for op, GPU and emulator)
+from tests.ops.markov_cases import head_kwargs, with_draft_vocab, with_head  # noqa: E402  (one case builder)
 from vllm_dspark.ops.markov_reference import (  # noqa: E402
     markov_draft_reference,
     markov_max_norms,
@@ -133,6 +134,10 @@ def emulate(exe: Path, case: dict, temperature: torch.Tensor, *,
                     logits=int(return_logits), stats=1)
         if case.get("d2t") is not None:
             _write(case["d2t"].to(torch.int64), d / "d2t.bin")
+        if case.get("head_type"):
+            meta["head_type"] = int(case["head_type"])
+            _write(case["head_hidden"].to(torch.float32), d / "head_hidden.bin")
+            _write(case["head_w"].to(torch.float32), d / "head_w.bin")
         (d / "meta.txt").write_text("".join(f"{k} {v}\n" for k, v in meta.items()))
         _write(base, d / "base.bin")
         _write(case["anchor_ids"].to(torch.int64), d / "anchor.bin")
@@ -267,7 +272,7 @@ def check_case(exe, name, case, temperature, *, return_logits=False, **kw):
     ref = markov_draft_reference(
         case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
         case.get("conf_base"), case.get("conf_w_markov"), temperature, case["seeds"],
-        return_logits=return_logits, d2t=case.get("d2t"))
+        return_logits=return_logits, d2t=case.get("d2t"), **head_kwargs(case))
     problems = []
     if not torch.equal(out["tokens"], ref[0]):
         bad = (out["tokens"] != ref[0]).nonzero()[:4].tolist()
@@ -327,7 +332,7 @@ def grid(quick: bool):
                           temperatures(R, mode), {}))
         c = make_case(2, 7, 163840, 1, torch.float32, seed=51)
         cases.append(("K3-rank1-mixed", c, temperatures(2, "mixed"), {}))
-    return cases + draft_vocab_grid(quick)
+    return cases + draft_vocab_grid(quick) + head_grid(quick)
 
 
 def draft_vocab_grid(quick: bool):
@@ -358,6 +363,49 @@ def draft_vocab_grid(quick: bool):
             c = with_draft_vocab(make_case(2, 7, 32000, 256, torch.bfloat16, seed=73, peaky=True), 163840,
                                  seed=10, w_std=0.05)
             cases.append((f"d2t-K3-Vd32000-{mode}", c, temperatures(2, mode), {}))
+    return cases
+
+
+def head_grid(quick: bool):
+    """Gated and rnn heads (``head_type``): the walk (certified sets with each row's ||v||, dense jobs
+    posting v), the dense path (``head_kernel`` before each position), draft vocabularies, bad
+    anchors (the rnn head's v reads h even with e = 0), the candidate pass's rnn bound sqrt(rank)."""
+    cases = []
+    dts = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    combos = [("greedy", False, "fp32", {}), ("sampled", True, "bf16", {}), ("mixed", False, "bf16", {}),
+              ("mixed", True, "fp32", dict(return_logits=True))]
+    if not quick:
+        combos = [(mode, dv, dn, {}) for mode in ("greedy", "sampled", "mixed") for dv in (False, True)
+                  for dn in ("fp32", "bf16", "fp16")] + [
+                  ("mixed", False, "bf16", dict(return_logits=True)), ("greedy", True, "fp32", dict(return_logits=True)),
+                  ("mixed", False, "fp32", dict(pass_max_norms=False))]
+    for k, head in enumerate(("gated", "rnn")):
+        for j, (mode, dv, dn, kw) in enumerate(combos):
+            seed = 80 + 40 * k + j
+            c = make_case(3, 7, 1000, 16, dts[dn], seed=seed, peaky=True, w_std=0.15)
+            if dv:
+                c = with_draft_vocab(c, 2500, seed=seed, w_std=0.15)
+            c = with_head(c, head, seed=seed)
+            extra = "-out_logits" if kw.get("return_logits") else "-max_norms-on-device" if kw else ""
+            cases.append((f"head-{head}-{'d2t' if dv else 'full'}-{dn}-{mode}{extra}", c, temperatures(3, mode), kw))
+        c = with_head(make_case(4, 5, 300, 8, torch.float32, seed=120 + k), head, seed=120 + k)
+        c["anchor_ids"] = torch.tensor([300, -1, 7, 2**40])
+        cases.append((f"head-{head}-bad-anchor-mixed", c, temperatures(4, "mixed"), {}))
+        # A flat base is never certified: every row is a dense job of the walk, posting v.
+        c = with_head(make_case(2, 4, 700, 16, torch.float32, seed=125 + k, w_std=0.3), head, seed=125 + k)
+        c["base_logits"].fill_(0.25)
+        cases.append((f"head-{head}-flat-base-dense-jobs-mixed", c, temperatures(2, "mixed"), {}))
+        if not quick:
+            c = with_head(make_case(3, 7, 1000, 64, torch.float32, seed=130 + k, base_std=0.05, w_std=0.5), head,
+                          seed=130 + k)
+            cases.append((f"head-{head}-strong-bias-mixed-resident4-preempt", c, temperatures(3, "mixed"),
+                          dict(resident=4, preempt=0.001)))
+            # (rnn: ||v|| up to sqrt(256) = 16 leaves the candidate pass no certificate at this size, every
+            # row is a dense job: minutes per case in emulation, so greedy only.)
+            for mode in (("greedy", "sampled") if head == "gated" else ("greedy",)):
+                c = with_head(make_case(1, 7, 163840, 256, torch.bfloat16, seed=140 + k, peaky=True), head,
+                              seed=140 + k)
+                cases.append((f"head-{head}-K3-R1-bf16-{mode}", c, temperatures(1, mode), {}))
     return cases
 
 

@@ -24,6 +24,8 @@ import torch
 
 from vllm_dspark.ops import markov as M
 from vllm_dspark.ops.markov_reference import (
+    HEAD_TYPES,
+    head_shapes,
     markov_draft_reference,
     markov_max_norms,
     markov_row_norms,
@@ -95,6 +97,29 @@ def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
     return out
 
 
+def with_head(case, head, *, seed=0, w_scale=2.0, hidden_std=1.0):
+    """``case`` with a gated or rnn Markov head, as the op takes it: ``head_type`` (1 or 2),
+    ``head_hidden`` [R, B, m] fp32 (the hidden part a caller precomputes, random here, std
+    ``hidden_std``) and ``head_w`` fp32 (the token side, entries ``w_scale / sqrt(fan_in)``)."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    R, B, _ = case["base_logits"].shape
+    rank = case["markov_w2"].shape[1]
+    code = HEAD_TYPES.index(head) if isinstance(head, str) else int(head)
+    hh_shape, w_shape = head_shapes(code, R, B, rank)
+    out = dict(case)
+    out["head_type"] = code
+    out["head_hidden"] = torch.randn(hh_shape, generator=g) * hidden_std
+    out["head_w"] = torch.randn(w_shape, generator=g) * (w_scale / w_shape[1] ** 0.5)
+    return out
+
+
+def head_kwargs(case):
+    """The head arguments of ``case`` for ``markov_draft`` / ``markov_draft_reference`` ({} if vanilla)."""
+    if not case.get("head_type"):
+        return {}
+    return dict(head_hidden=case["head_hidden"], head_w=case["head_w"], head_type=case["head_type"])
+
+
 def temperatures(R, mode):
     if mode == "greedy":
         return torch.zeros(R)
@@ -154,7 +179,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
                          case["markov_w2"], norms, case["conf_base"], case["conf_w_markov"],
                          temp, case["seeds"], allow_fallback=False, return_stats=True,
                          max_norms=markov_max_norms(case["markov_w1"], norms)
-                         if with_max_norms else None, d2t=case.get("d2t"), **kw)
+                         if with_max_norms else None, d2t=case.get("d2t"), **head_kwargs(case), **kw)
     assert out.path == "compiled"
     return out
 
@@ -162,7 +187,7 @@ def run_compiled(case, temp, *, with_max_norms=True, **kw):
 def run_reference(case, temp, **kw):
     return markov_draft_reference(case["base_logits"], case["anchor_ids"], case["markov_w1"],
                                   case["markov_w2"], case["conf_base"], case["conf_w_markov"],
-                                  temp, case["seeds"], d2t=case.get("d2t"), **kw)
+                                  temp, case["seeds"], d2t=case.get("d2t"), **head_kwargs(case), **kw)
 
 
 def assert_matches(out, ref):
@@ -176,7 +201,8 @@ CUDA_SHAPES = [(1, 7, 111, 1), (5, 7, 111, 256), (8, 7, K3_VOCAB, 256), (2, 1, 5
                (64, 7, K3_VOCAB, 256)]  # (R, B, V, rank)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODES = ("greedy", "sampled", "mixed")
-HOST_TENSOR_ARGS = ("conf_base", "conf_w_markov", "out_logits", "out_stats", "max_norms", "d2t")
+HOST_TENSOR_ARGS = ("conf_base", "conf_w_markov", "out_logits", "out_stats", "max_norms", "d2t", "head_hidden",
+                    "head_w")
 
 
 def check_matches_reference(shape, dtype, mode, dense, device="cuda"):
@@ -226,22 +252,28 @@ def check_out_of_range_anchor(device="cuda"):
 
 def check_rejects_host_tensors(name, device="cuda"):
     """A host tensor among the CUDA op's arguments is refused, naming it."""
-    case = to_device(make_case(2, 3, 111, 8, seed=14), device)
+    case = to_device(with_head(make_case(2, 3, 111, 8, seed=14), "gated", seed=14), device)
     R, B, V = case["base_logits"].shape
     norms = markov_row_norms(case["markov_w2"])
     args = dict(conf_base=case["conf_base"], conf_w_markov=case["conf_w_markov"],
                 out_logits=torch.empty(R, B, V, device=device),
                 out_stats=torch.empty(R, B, dtype=torch.int32, device=device),
                 max_norms=markov_max_norms(case["markov_w1"], norms),
-                d2t=torch.zeros(V, dtype=torch.int64, device=device))
+                d2t=torch.zeros(V, dtype=torch.int64, device=device),
+                head_hidden=case["head_hidden"], head_w=case["head_w"])
     args[name] = args[name].cpu()
+    extra = {}
+    if name == "d2t":
+        extra = dict(d2t=args["d2t"])
+    elif name in ("head_hidden", "head_w"):
+        extra = dict(head_hidden=args["head_hidden"], head_w=args["head_w"], head_type=case["head_type"])
     try:
         torch.ops.vllm_dspark.markov_draft(
             case["base_logits"], case["anchor_ids"], case["markov_w1"], case["markov_w2"],
             norms, args["conf_base"], args["conf_w_markov"], torch.zeros(R, device=device),
             case["seeds"], torch.empty(R, B, dtype=torch.int64, device=device),
             torch.empty(R, B, device=device), args["out_logits"], args["out_stats"], args["max_norms"],
-            *((args["d2t"],) if name == "d2t" else ()))
+            **extra)
     except RuntimeError as exc:
         assert re.search(name, str(exc)), f"the error does not name {name}: {exc}"
     else:
@@ -263,6 +295,25 @@ def check_draft_vocab(shape, target_vocab, dtype, mode, dense, sort=True, with_m
     if dense:
         torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
         assert bool((out.stats == Vd).all())
+
+
+def check_head(head, shape, dtype, mode, dense, draft_vocab=False, with_max_norms=True, device="cuda"):
+    """A gated or rnn Markov head (``head_type``, ``head_hidden``, ``head_w``): tokens, confidences and
+    (dense) logits equal the reference's. Pruned: the walk's head step with each row's ||v||, its dense
+    jobs posting v; dense: ``head_kernel`` before every position. ``shape`` = (R, B, V, rank)."""
+    R, B, V, rank = shape
+    w_std = 0.15 if V < 10000 else 0.05
+    case = make_case(R, B, V, rank, dtype, seed=19, peaky=True, w_std=w_std)
+    if draft_vocab:
+        case = with_draft_vocab(case, K3_VOCAB if V >= 32000 else 2 * V + 500, seed=19, w_std=w_std)
+    case = to_device(with_head(case, head, seed=20), device)
+    temp = temperatures(R, mode).to(device)
+    out = run_compiled(case, temp, with_max_norms=with_max_norms, return_logits=dense)
+    ref = run_reference(case, temp, return_logits=dense)
+    assert_matches(out, ref)
+    if dense:
+        torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
+        assert bool((out.stats == V).all())
 
 
 def check_all_equal_base_goes_dense(device="cuda"):
@@ -346,6 +397,15 @@ def cuda_checks() -> list[Check]:
           for (R, B, dname, mode, dense, sort, mn) in [
               (1, 7, "fp32", "greedy", False, True, True), (4, 7, "bf16", "mixed", False, False, True),
               (3, 1, "fp16", "sampled", False, True, False), (4, 7, "fp32", "mixed", True, False, True)]),
+        *(Check(f"head-{head}-R{R}-B{B}-{dname}-{mode}-{'dense' if dense else 'pruned'}-{'d2t' if dv else 'full'}"
+                f"{'' if mn else '-max_norms_on_device'}", check_head,
+                dict(head=head, shape=(R, B, 1000, 16), dtype=DTYPES[dname], mode=mode, dense=dense,
+                     draft_vocab=dv, with_max_norms=mn))
+          for head in ("gated", "rnn")
+          for (R, B, dname, mode, dense, dv, mn) in [
+              (1, 7, "fp32", "greedy", False, False, True), (4, 7, "bf16", "mixed", False, False, True),
+              (3, 7, "fp16", "sampled", False, True, False), (4, 7, "fp32", "mixed", True, True, True),
+              (4, 1, "bf16", "greedy", True, False, True), (4, 7, "bf16", "sampled", False, True, True)]),
         *(Check(f"rejects_host_tensor-{n}", check_rejects_host_tensors, dict(name=n),
                 device_agnostic=False) for n in HOST_TENSOR_ARGS),
         Check("graph_capture", check_graph_capture, {}, device_agnostic=False),
@@ -356,6 +416,10 @@ def cuda_checks() -> list[Check]:
         *(Check(f"draft_vocab-K3-Vd32000-{mode}", check_draft_vocab,
                 dict(shape=(8, 7, 32000, 256), target_vocab=K3_VOCAB, dtype=torch.bfloat16, mode=mode,
                      dense=False), big=True) for mode in ("greedy", "mixed")),
+        *(Check(f"head-{head}-K3-R8-bf16-{mode}-{'d2t-Vd32000' if dv else 'full'}", check_head,
+                dict(head=head, shape=(8, 7, 32000 if dv else K3_VOCAB, 256), dtype=torch.bfloat16, mode=mode,
+                     dense=False, draft_vocab=dv), big=True)
+          for head in ("gated", "rnn") for mode in ("greedy", "mixed") for dv in (False, True)),
         *(Check(f"flat_rows_and_max_norms-{'given' if mn else 'on_device'}-{mode}",
                 check_flat_rows_and_max_norms_on_device, dict(with_max_norms=mn, mode=mode), big=True)
           for mn in (True, False) for mode in ("greedy", "sampled")),

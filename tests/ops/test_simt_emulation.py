@@ -9,7 +9,9 @@ included, a few minutes). Here:
 * the CI subset of that grid matches ``markov_draft_reference`` (tokens
   equal, confidences within 1e-6, logits within 1e-6), draft-vocabulary
   cases (``d2t``: pair tables, certified sets, dense jobs, the dense path,
-  max_norms on the device over a taller markov_w1) included;
+  max_norms on the device over a taller markov_w1) and gated / rnn heads
+  (``head_type``: the walk's head step, dense jobs posting v, the dense
+  path's head_kernel, bad anchors, d2t) included;
 * the dense fallback also matches when several blocks run concurrently and
   fibers are pre-empted at random memory accesses (helpers steal tiles);
 * the harness is not blind: a copy of the kernel with one ``__syncthreads``
@@ -17,7 +19,9 @@ included, a few minutes). Here:
   off-by-one token index fails (mismatch or out-of-bounds access), and a
   copy with a barrier inside ``if (threadIdx.x == 0)`` fails with a divergence
   report, and a copy that feeds the drafted DRAFT id (not its target id) to
-  markov_w1 fails the draft-vocabulary cases.
+  markov_w1 fails the draft-vocabulary cases; a copy that drafts a head's
+  rows with e instead of v, or never advances the rnn state, fails the head
+  cases.
 
 Skipped without a C++ compiler or on a non-x86-64 host (the fiber switch is
 x86-64 assembly).
@@ -162,3 +166,30 @@ def test_harness_catches_an_unmapped_draft_token(tmp_path):
             assert "MISMATCH" in msg, msg
             return
     pytest.fail("no draft-vocabulary case noticed markov_w1 read at the draft id")
+
+
+def _head_as_vanilla(src: str) -> str:
+    old = "    v_put(k, v);\n"
+    assert src.count(old) == 1
+    return src.replace(old, "    v_put(k, static_cast<float>(e_at(k)));\n")
+
+
+def _rnn_state_never_advances(src: str) -> str:
+    old = "      gst(s + k, rnn_state(gld(z + k), gld(z + rank + k), gld(s + k)));\n"
+    assert src.count(old) == 1
+    return src.replace(old, "")
+
+
+@pytest.mark.parametrize("mutation,heads", [(_head_as_vanilla, ("gated", "rnn")), (_rnn_state_never_advances, ("rnn",))],
+                         ids=["v-is-e", "rnn-state-frozen"])
+def test_harness_catches_a_wrong_head(tmp_path, mutation, heads):
+    exe = E.build_harness(_mutant(tmp_path, mutation), opt="-O0")
+    caught = set()
+    for name, case, temp, kw in E.head_grid(quick=True):
+        head = name.split("-")[1]
+        if head in heads and head not in caught:
+            ok, msg, _ = E.check_case(exe, name, case, temp, **kw)
+            if not ok:
+                assert "MISMATCH" in msg, msg
+                caught.add(head)
+    assert caught == set(heads), f"no mismatch for {set(heads) - caught}"

@@ -1,7 +1,8 @@
-"""The gated and rnn Markov heads in the Python draft path (issue 30): the stage drafts exactly what a
+"""The gated and rnn Markov heads in the draft path (issue 30): the stage drafts exactly what a
 straightforward per-row, per-position loop drafts (float32 inputs; tokens equal, confidences within 1e-5),
-with and without a draft vocabulary, greedy and sampled rows; the reference drafter agrees; the rnn
-state starts afresh in every block; the heads change the drafts; a wrong projection is refused by name."""
+with and without a draft vocabulary, greedy rows on the compiled op and sampled rows through the Python
+recurrence; the two agree; the reference drafter agrees; the rnn state starts afresh in every block; the
+heads change the drafts; a wrong projection is refused by name."""
 
 from __future__ import annotations
 
@@ -62,7 +63,8 @@ def _batch(anchors, rows, sampled, seed=1, temps=(0.7, 1.0, 1.3, 0.9)):
 
 # ---------------------------------------------------------------- the oracle
 def oracle(w: MarkovWeights, base, hidden, anchors, temps, seeds):
-    """One row, one position at a time, from the definitions (fp64 head, fp32 logits).
+    """One row, one position at a time, from the definitions: the head in fp64 with the op's two
+    rounding points (the hidden part, bias included, and v rounded once to fp32), fp32 logits.
 
     base [R, N, Vd], hidden [R, N, H], anchors [R] target ids, temps [R] (0: greedy), seeds [R].
     Returns tokens [R, N] (target ids), conf [R, N], q [R, N, VT or V] (zero for greedy rows)."""
@@ -75,17 +77,23 @@ def oracle(w: MarkovWeights, base, hidden, anchors, temps, seeds):
     q = torch.zeros(r_, n_, vt)
     for r in range(r_):
         prev = int(anchors[r])
-        s = torch.zeros(RANK, dtype=torch.float64)
+        rank = w.rank
+        s = torch.zeros(rank, dtype=torch.float64)
         for k in range(n_):
             h = hidden[r, k].double()
-            e = w1[prev] if 0 <= prev < vt else torch.zeros(RANK, dtype=torch.float64)
+            e = w1[prev] if 0 <= prev < vt else torch.zeros(rank, dtype=torch.float64)
             if w.head_type == "gated":
-                g = torch.sigmoid(w.gate_weight.double() @ torch.cat([h, e]) + w.gate_bias.double())
-                v = g * e
+                wg = w.gate_weight.double()
+                hd = h.shape[0]
+                gh = (wg[:, :hd] @ h + w.gate_bias.double()).float().double()
+                g = torch.sigmoid(gh + wg[:, hd:] @ e)
+                v = (g * e).float().double()
             elif w.head_type == "rnn":
-                a, c, o = (w.joint_weight.double() @ torch.cat([s, e, h]) + w.joint_bias.double()).chunk(3)
+                wj = w.joint_weight.double()
+                jh = (wj[:, 2 * rank:] @ h + w.joint_bias.double()).float().double()
+                a, c, o = (jh + wj[:, :2 * rank] @ torch.cat([s, e])).chunk(3)
                 s = torch.sigmoid(a) * s + (1 - torch.sigmoid(a)) * torch.tanh(c)
-                v = torch.tanh(o)
+                v = torch.tanh(o).float().double()
             else:
                 v = e
             logits = base[r, k].float() + (w2 @ v).float()
@@ -132,7 +140,7 @@ def test_stage_drafts_what_the_oracle_drafts(head, mode, draft_vocab):
     tokens, conf, q = oracle(w, (b.hidden @ lm.T).view(4, N, V), hidden, anchors, temps, b.seeds(rows))
     _check(d, tokens, conf, q, sampled)
     if mode != "sampled":
-        assert d.path == stage.last_path == f"reference-{head}"  # never the op's "compiled"
+        assert d.path == stage.last_path == "compiled"  # greedy rows on the op, with the head's v
 
 
 @pytest.mark.parametrize("head", HEADS)
@@ -191,6 +199,37 @@ def test_rnn_state_carries_along_the_block():
     assert not torch.equal(d.tokens, flat.draft(b).tokens)
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True], ids=["full", "d2t"])
+@pytest.mark.parametrize("head", HEADS)
+def test_greedy_rows_run_on_the_op_and_equal_the_python_recurrence(head, draft_vocab, monkeypatch):
+    """The stage's greedy rows take the compiled op (path "compiled") and give exactly what the Python
+    recurrence gives with the head's own bias (``head.start``); when the op cannot take the call, the
+    fallback says which head it ran."""
+    from vllm_dspark.ops import markov as M
+    from vllm_dspark.ops.markov_reference import markov_draft_reference
+
+    assert M.is_compiled_available("cpu")
+    w, anchors = _weights(head, draft_vocab=draft_vocab, seed=11)
+    stage, lm = _stage(w, seed=11)
+    g = torch.Generator().manual_seed(12)
+    hidden = torch.randn(4, N, H, generator=g)
+    base = (hidden @ lm.T).view(4, N, V)
+    conf_base = w.confidence_base(hidden.reshape(4 * N, H)).view(4, N)
+    tokens, conf, path = stage.greedy(base, anchors, conf_base, hidden=hidden)
+    assert path == "compiled"
+    ref_tokens, ref_conf = markov_draft_reference(base, anchors, w.markov_w1, w.markov_w2, conf_base, w.conf_w_markov,
+                                                  d2t=w.d2t, head_bias=stage.head.start(hidden))
+    assert torch.equal(tokens, stage.vocab.to_target(ref_tokens))
+    torch.testing.assert_close(conf, ref_conf, atol=1e-6, rtol=0)
+    o_tokens, o_conf, _ = oracle(w, base, hidden, anchors, torch.zeros(4), torch.zeros(4, dtype=torch.int64))
+    assert torch.equal(tokens, o_tokens)
+    monkeypatch.setattr(M, "_why_not", lambda *a, **k: "test: no compiled op")
+    fb_tokens, fb_conf, fb_path = stage.greedy(base, anchors, conf_base, hidden=hidden)
+    assert fb_path == f"reference-{head}"
+    assert torch.equal(fb_tokens, tokens)
+    torch.testing.assert_close(fb_conf, conf, atol=1e-6, rtol=0)
+
+
 # ---------------------------------------------------------------- the heads matter
 def test_gated_and_rnn_heads_draft_differently_from_vanilla_with_the_same_w1_w2():
     """Constructed: W2 W1 is a strong bigram the vanilla head follows. A closed gate (bg = -40)
@@ -212,7 +251,7 @@ def test_gated_and_rnn_heads_draft_differently_from_vanilla_with_the_same_w1_w2(
               (("vanilla", vanilla), ("gated", gated), ("rnn", rnn))}
     assert drafts["vanilla"].path == "compiled"
     assert torch.equal(drafts["gated"].tokens, base.argmax(-1))  # g ~ 1e-18: no bias
-    const = (torch.tanh(o.double()) @ w2.double().T).float()
+    const = (torch.tanh(o.double()).float().double() @ w2.double().T).float()
     assert torch.equal(drafts["rnn"].tokens, (base + const).argmax(-1))
     assert not torch.equal(drafts["gated"].tokens, drafts["vanilla"].tokens)
     assert not torch.equal(drafts["rnn"].tokens, drafts["vanilla"].tokens)
@@ -277,7 +316,7 @@ def test_a_wrong_projection_is_refused_by_name(kw, match):
 def test_the_op_path_refuses_a_head_it_does_not_take():
     w, anchors = _weights("gated")
     stage, _ = _stage(w)
-    with pytest.raises(NotImplementedError, match="does not take gated heads"):
+    with pytest.raises(NotImplementedError, match="does not take gated heads: it has no hidden rows"):
         stage.draft_into(torch.zeros(1, N, V), anchors[:1], None, torch.zeros(1), torch.zeros(1, dtype=torch.int64),
                          torch.empty(1, N, dtype=torch.int64), torch.empty(1, N), None)
     with pytest.raises(ValueError, match="reads the backbone's hidden row"):

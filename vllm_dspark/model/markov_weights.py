@@ -16,9 +16,8 @@ weights, so the op adds no bias and every row is its own argmax.
 A gated or rnn head (``markov_head_type``) adds its projection, as the
 checkpoint holds it: ``gate_weight`` [r, H + r] / ``gate_bias`` [r]
 (``markov_head.gate_proj``) or ``joint_weight`` [3r, 2r + H] / ``joint_bias``
-[3r] (``markov_head.joint_proj``). The compiled op does not read them; the
-stage drafts such heads through the Python recurrence (``spec_decode/common/
-heads.py``).
+[3r] (``markov_head.joint_proj``). The heads (``spec_decode/common/heads.py``)
+split them into the compiled op's ``head_hidden`` / ``head_w`` arguments.
 
 A draft vocabulary (speculators' ``draft_vocab_size`` Vd < V) adds ``d2t``
 int64 [Vd] offsets (target id = draft id + d2t[draft id]): ``markov_w2`` and

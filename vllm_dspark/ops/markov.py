@@ -86,6 +86,28 @@ Draft vocabularies (``d2t``, the op's last argument)
     Markov embedding, like a bad anchor, so even a bad map reads nothing out of
     bounds.
 
+Head variants (``head_type``, ``head_hidden``, ``head_w``: the op's last arguments)
+    Gated (1) and rnn (2) Markov heads (``spec_decode/common/heads.py``) replace ``e`` in
+    the bias by ``v``: gated ``v = sigmoid(Wg [h ; e] + bg) * e``, rnn ``v = tanh(o)``
+    with ``[a ; c ; o] = Wj [s ; e ; h] + bj`` and a state ``s`` carried along the block
+    (zero at its start). The parts that read the hidden rows ``h`` do not depend on the
+    drafted tokens: the caller computes them for every position at once, bias included,
+    as ``head_hidden`` [R, B, m] fp32 (gated m = rank, rnn m = 3 rank), and passes the
+    token-side weights ``head_w`` fp32 (gated ``Wg[:, H:]`` [rank, rank], rnn
+    ``Wj[:, :2 rank]`` [3 rank, 2 rank]). Per position the op computes ``v`` with small
+    fp64 matvecs (the gate and the state in fp64, ``v`` rounded once to fp32; the exact
+    order is ``markov_reference.head_stepper``) and runs the vanilla path on it: the
+    bias is ``markov_w2 @ v`` under the same contract, the pruning bound uses the
+    actual ``||v||`` of the row (CPU twin; the CUDA walk) and, in the CUDA candidate
+    pass, a bound that holds for every previous token (gated ``||v|| <= ||e|| <=
+    max||w1||``; rnn ``||v|| <= sqrt(rank)``, a loose bound: an rnn row with a strong
+    ``markov_w2`` more often goes dense). The confidence's Markov input stays ``e``.
+    Greedy and sampled rows, ``d2t``, ``out_logits`` and ``stats`` all work as for the
+    vanilla head. CUDA: the walker computes ``v`` per position in its block (the rnn
+    state in the workspace, fp64; the pair tables are off for these heads), and the
+    dense path launches ``head_kernel`` before each position. The wrapper refuses
+    wrong head arguments by name (``check_head``); the op checks them too.
+
 Build and use
     ``pip install --no-build-isolation -e .`` builds ``vllm_dspark._C`` (the op's
     schema in ``csrc/torch_bindings.cpp`` and the CPU twin, always; the CUDA
@@ -125,12 +147,17 @@ Checked by
     anchors. ``tests/ops/test_markov_draft_vocab.py``: draft vocabularies
     (sorted and shuffled maps, anchors off the draft subset or outside
     ``markov_w1``, ``out_logits``, ``stats``, a K3-sized 32000-of-163840 case,
-    bad maps refused by name). ``tests/ops/test_simt_emulation.py`` runs the
+    bad maps refused by name). ``tests/ops/test_markov_heads_op.py``: gated and
+    rnn heads (both x greedy/sampled/mixed x full vocabulary/d2t x fp32/bf16,
+    the dense path, K3 vocabulary, strong bias, bad anchors, NaN policy, one
+    block per request, the older schema forms, bad head arguments refused by
+    name). ``tests/ops/test_simt_emulation.py`` runs the
     REAL CUDA source on the CPU (``scripts/emulate_cuda.py``; ``--check`` runs
     the full grid, K3 sizes, fp16 and draft vocabularies included) against the
     reference, with race, divergence and bounds checks, and shows that an
-    injected race, a wrong index, a divergent barrier and a drafted token fed to
-    ``markov_w1`` unmapped are caught. ``tests/ops/test_markov_cuda_compile.py``
+    injected race, a wrong index, a divergent barrier, a drafted token fed to
+    ``markov_w1`` unmapped, a head drafted with e for v and a frozen rnn state
+    are caught (gated/rnn heads are in its grid and in ``CUDA_CHECKS``). ``tests/ops/test_markov_cuda_compile.py``
     compiles the CUDA sources for sm_80/90/100/120 without spills and checks that
     a fast-math build stops. ``tests/ops/test_markov_cuda.py`` (GPU only) checks
     the CUDA op against the reference and an upstream-style dense loop; its
@@ -147,7 +174,9 @@ from typing import NamedTuple
 import torch
 
 from vllm_dspark.ops.markov_reference import (
+    HEAD_TYPES,
     check_d2t,
+    check_head,
     gumbel_noise,
     markov_draft_reference,
     markov_max_norms,
@@ -162,6 +191,8 @@ __all__ = [
     "markov_max_norms",
     "gumbel_noise",
     "check_d2t",
+    "check_head",
+    "HEAD_TYPES",
     "is_compiled_available",
 ]
 
@@ -207,7 +238,7 @@ def _register_fake() -> None:
     def _markov_draft_fake(base_logits, anchor_ids, markov_w1, markov_w2, w2_row_norms,
                            conf_base, conf_w_markov, temperature, seeds,
                            out_tokens, out_conf, out_logits, out_stats,
-                           max_norms=None, d2t=None):
+                           max_norms=None, d2t=None, head_hidden=None, head_w=None, head_type=0):
         # Mutates its outputs in place; nothing to allocate or return.
         return None
 
@@ -275,6 +306,9 @@ def markov_draft(
     *,
     max_norms: torch.Tensor | None = None,
     d2t: torch.Tensor | None = None,
+    head_hidden: torch.Tensor | None = None,
+    head_w: torch.Tensor | None = None,
+    head_type: int | str = 0,
     return_logits: bool = False,
     return_stats: bool = False,
     allow_fallback: bool = True,
@@ -311,6 +345,16 @@ def markov_draft(
         Draft-vocabulary offsets (target id = draft id + d2t[draft id]); see the
         module docstring. Refused (``ValueError``) unless int64 [V] on the base
         logits' device with every mapped id inside ``markov_w1``.
+    head_type : 0 / "vanilla" (default), 1 / "gated" or 2 / "rnn"
+        The Markov head variant (see "Head variants" in the module docstring).
+    head_hidden : [R, B, m] fp32, optional
+        The head's part that reads the backbone's hidden rows, every position, bias
+        included: gated ``Wg[:, :H] h + bg`` (m = rank), rnn ``Wj[:, 2 rank:] h + bj``
+        (m = 3 rank). Only with a gated or rnn ``head_type``.
+    head_w : fp32, optional
+        The head's token-side weights: gated ``Wg[:, H:]`` [rank, rank], rnn
+        ``Wj[:, :2 rank]`` [3 rank, 2 rank]. Refused (``ValueError``, naming the
+        argument) on a wrong shape, dtype or device, as ``d2t`` is.
     return_logits : bool
         Also return the corrected fp32 logits [R, B, V] (dense path).
     return_stats : bool
@@ -329,6 +373,7 @@ def markov_draft(
     dev = base_logits.device
     if d2t is not None:
         _check_d2t_once(d2t, V, int(markov_w1.shape[0]), dev)
+    head = check_head(head_type, head_hidden, head_w, R, B, int(markov_w2.shape[-1]), device=dev)
     if temperature is None:
         temperature = torch.zeros(R, dtype=torch.float32, device=dev)
     if seeds is None:
@@ -350,7 +395,8 @@ def markov_draft(
             None if conf_w_markov is None else conf_w_markov.to(torch.float32),
             temperature.to(torch.float32), seeds.to(torch.int64),
             tokens, conf, logits, stats,
-            None if max_norms is None else max_norms.to(torch.float32), d2t)
+            None if max_norms is None else max_norms.to(torch.float32), d2t,
+            *((head_hidden, head_w, head) if head else ()))
         return MarkovDraftOutput(tokens, conf, logits, stats, "compiled")
 
     if not allow_fallback:
@@ -358,5 +404,6 @@ def markov_draft(
     _log_once(reason)
     out = markov_draft_reference(
         base_logits, anchor_ids, markov_w1, markov_w2, conf_base, conf_w_markov,
-        temperature, seeds, return_logits=return_logits, d2t=d2t)
+        temperature, seeds, return_logits=return_logits, d2t=d2t, head_hidden=head_hidden, head_w=head_w,
+        head_type=head)
     return MarkovDraftOutput(out[0], out[1], out[2] if return_logits else None, None, "reference")

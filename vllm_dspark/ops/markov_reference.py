@@ -37,11 +37,28 @@ Semantics (per request ``r``, left to right over the block's positions)::
   embedding: position 0 uses ``e = 0`` (no bias, and the confidence's Markov
   part is 0); later positions are drafted normally. Nothing reads out of bounds
   and no device-to-host check is needed, so padded or garbage rows are harmless.
-* Head variants: a gated or rnn head (``spec_decode/common/heads.py``) replaces
-  ``markov_w2 @ e`` by its own bias, which also reads each position's hidden row
-  (and, rnn, a state carried along the block): ``head_bias`` here, the Python
-  path only; the compiled op takes the vanilla head. The confidence's Markov
-  input stays ``e`` for every head.
+* Head variants (``head_type``: 0 vanilla, 1 gated, 2 rnn; ``spec_decode/common/heads.py``):
+  the bias is ``markov_w2 @ v`` with ``v`` computed from ``e`` (and, rnn, a state ``s``
+  carried along the block, zero at its start). The parts that read the backbone's
+  hidden rows do not depend on the drafted tokens, so the caller precomputes them for
+  every position: ``head_hidden`` [R, B, m] fp32 and the token-side weights ``head_w``::
+
+      gated (m = r, head_w [r, r]):
+          g = sigmoid(fp64(head_hidden[r, i]) + fp64(head_w) @ fp64(e))       # fp64
+          v = fp32(g * fp64(e))
+      rnn (m = 3r, head_w [3r, 2r]; s = 0 before position 0):
+          [a ; c ; o] = fp64(head_hidden[r, i]) + fp64(head_w) @ [s ; fp64(e)] # fp64
+          s = sigmoid(a) * s + (1 - sigmoid(a)) * tanh(c)                      # fp64 state
+          v = fp32(tanh(o))
+      bias = fp32(fp64(v) @ fp64(markov_w2).T)     # as the vanilla bias, with v for e
+
+  ``v`` is rounded once to fp32 (an embedding like ``e``) and the state stays fp64, so
+  the twins reproduce the reference up to fp64 summation order and libm, which reach a
+  token only through an fp32 rounding of ``v`` or of the bias. ``|g| <= 1`` gives
+  ``||v|| <= ||e||`` and ``|tanh| <= 1`` gives ``||v|| <= sqrt(r)``: the bounds the
+  compiled op prunes with (it uses the actual ``||v||`` per row). The confidence's Markov
+  input stays ``e`` for every head. ``head_bias`` (a callable) is the older, Python-only
+  way to hand in a head's bias (the reference drafter's modules).
 * Draft vocabulary (``d2t`` given, int64 [Vd] offsets): base logits, ``markov_w2``,
   tokens and logits are in draft ids ``[0, Vd)``; ``markov_w1`` [V, rank] is
   indexed by TARGET ids, so the anchor is a target id and each drafted token
@@ -68,6 +85,10 @@ __all__ = [
     "embed_prev",
     "check_d2t",
     "d2t_target_ids",
+    "HEAD_TYPES",
+    "head_type_code",
+    "check_head",
+    "head_stepper",
 ]
 
 MASK32 = 0xFFFFFFFF
@@ -244,6 +265,91 @@ def check_d2t(d2t: object, draft_vocab: int, target_vocab: int | None = None, *,
                          f"(markov_w1's rows), e.g. {pairs}; d2t holds offsets, not target ids")
 
 
+HEAD_TYPES = ("vanilla", "gated", "rnn")  # the op's head_type codes 0, 1, 2
+
+
+def head_type_code(head_type: int | str) -> int:
+    """``head_type`` as the op's int code (0 vanilla, 1 gated, 2 rnn); accepts the names too."""
+    if isinstance(head_type, str):
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES} (or 0, 1, 2), got {head_type!r}")
+        return HEAD_TYPES.index(head_type)
+    if isinstance(head_type, bool) or not isinstance(head_type, int) or not 0 <= head_type < len(HEAD_TYPES):
+        raise ValueError(f"head_type must be 0 (vanilla), 1 (gated) or 2 (rnn), got {head_type!r}")
+    return int(head_type)
+
+
+def head_shapes(code: int, num_reqs: int, block: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(head_hidden's shape, head_w's shape) of head ``code`` (1 gated, 2 rnn)."""
+    if code == 1:
+        return (num_reqs, block, rank), (rank, rank)
+    return (num_reqs, block, 3 * rank), (3 * rank, 2 * rank)
+
+
+def check_head(head_type: int | str, head_hidden: object, head_w: object, num_reqs: int, block: int, rank: int,
+               *, device: torch.device | None = None) -> int:
+    """Refuse head arguments the op cannot take, naming the argument (``ValueError``); returns the code.
+
+    Vanilla (0) takes neither tensor. Gated (1): ``head_hidden`` [R, B, r], ``head_w`` [r, r]; rnn (2):
+    ``head_hidden`` [R, B, 3r], ``head_w`` [3r, 2r]; both fp32, on ``device`` when given.
+    """
+    code = head_type_code(head_type)
+    if code == 0:
+        given = [n for n, t in (("head_hidden", head_hidden), ("head_w", head_w)) if t is not None]
+        if given:
+            raise ValueError(f"{' and '.join(given)} given but head_type is 0 (vanilla), which reads neither; "
+                             "pass head_type=1 (gated) or 2 (rnn)")
+        return 0
+    name = HEAD_TYPES[code]
+    hh_shape, w_shape = head_shapes(code, num_reqs, block, rank)
+    for arg, t, shape, what in (("head_hidden", head_hidden, hh_shape, "the hidden part of every position"),
+                                ("head_w", head_w, w_shape, "the token-side weights")):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"head_type {code} ({name}) needs {arg} ({what}, fp32 {list(shape)}), got "
+                             f"{type(t).__name__}")
+        if t.dtype != torch.float32:
+            raise ValueError(f"{arg} must be fp32 for the {name} head, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{arg} must be {list(shape)} for the {name} head (R={num_reqs}, B={block}, "
+                             f"rank={rank}), got {list(t.shape)}")
+        if device is not None and t.device != torch.device(device):
+            raise ValueError(f"{arg} is on {t.device} but the base logits are on {device}")
+    return code
+
+
+def head_stepper(head_type: int | str, head_hidden: torch.Tensor | None, head_w: torch.Tensor | None,
+                 markov_w2: torch.Tensor) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """The bias of one block per row as ``(position i, e [R, r] fp32) -> [R, V] fp32``, called for
+    i = 0, 1, ... in order (the module docstring's head formulas; a new stepper is a new block)."""
+    code = head_type_code(head_type)
+    bias_of = _Bias(markov_w2)
+    if code == 0:
+        return lambda i, e: bias_of(e)
+    assert head_hidden is not None and head_w is not None
+    hh = head_hidden.to(torch.float64)  # [R, B, m]
+    w = head_w.to(device=hh.device, dtype=torch.float64)
+    if code == 1:
+        def gated(i: int, e: torch.Tensor) -> torch.Tensor:
+            e64 = e.to(torch.float64)
+            g = torch.sigmoid(hh[:, i] + e64 @ w.T)  # [R, r]
+            return bias_of((g * e64).to(torch.float32))
+        return gated
+    rank = int(w.shape[1]) // 2
+    state = [torch.zeros(hh.shape[0], rank, dtype=torch.float64, device=hh.device)]  # s_{-1} = 0
+    last = [-1]
+
+    def rnn(i: int, e: torch.Tensor) -> torch.Tensor:
+        if i != last[0] + 1:
+            raise RuntimeError(f"the rnn head's state runs left to right: position {i} after {last[0]}")
+        last[0] = i
+        s = state[0]
+        a, c, o = (hh[:, i] + torch.cat([s, e.to(torch.float64)], dim=-1) @ w.T).split(rank, dim=-1)
+        g = torch.sigmoid(a)
+        state[0] = g * s + (1.0 - g) * torch.tanh(c)
+        return bias_of(torch.tanh(o).to(torch.float32))
+    return rnn
+
+
 def markov_recurrence(base_logits: torch.Tensor, anchor_ids: torch.Tensor,
                       embed: Callable[[torch.Tensor], torch.Tensor],
                       bias: Callable[[int, torch.Tensor], torch.Tensor],
@@ -302,6 +408,9 @@ def markov_draft_reference(
     return_logits: bool = False,
     d2t: torch.Tensor | None = None,
     head_bias: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    head_hidden: torch.Tensor | None = None,
+    head_w: torch.Tensor | None = None,
+    head_type: int | str = 0,
 ):
     """The obvious sequential loop (see the module docstring for the semantics).
 
@@ -319,9 +428,10 @@ def markov_draft_reference(
         (base + bias, before temperature and noise).
     d2t : [V] int64 draft-vocabulary offsets or None (see the module docstring);
         tokens and logits stay in draft ids.
-    head_bias : a gated or rnn head's per-block bias, ``(position, e [R, rank]) -> [R, V]`` fp32
-        (``spec_decode/common/heads.py``), in place of the vanilla ``markov_w2 @ e``; ``markov_w2``
-        is then not read. The compiled op has no such argument: it drafts vanilla heads only.
+    head_hidden, head_w, head_type : the head variant, as the compiled op takes it (0 vanilla,
+        1 gated, 2 rnn; see the module docstring; ``check_head`` for the shapes).
+    head_bias : a head's per-block bias, ``(position, e [R, rank]) -> [R, V]`` fp32, in place of
+        the one ``head_type`` defines (Python only: the reference drafter's modules).
 
     Returns
     -------
@@ -343,10 +453,8 @@ def markov_draft_reference(
     all_logits = (torch.empty(R, B, V, dtype=torch.float32, device=dev)
                   if return_logits else None)
 
-    bias = head_bias
-    if bias is None:
-        bias_of = _Bias(markov_w2)
-        bias = lambda i, e: bias_of(e)  # noqa: E731 (the vanilla head: memoryless, position-free)
+    code = check_head(head_type, head_hidden, head_w, R, B, int(markov_w2.shape[1]))
+    bias = head_bias if head_bias is not None else head_stepper(code, head_hidden, head_w, markov_w2)
 
     def pick(i: int, logits: torch.Tensor) -> torch.Tensor:
         if all_logits is not None:

@@ -97,6 +97,12 @@ int main(int argc, char** argv) {
   auto* norms = load("norms", V * 4, true);
   auto* max_norms = load("max_norms", 8, false);
   auto* d2t = load("d2t", V * 8, false);
+  // Head variants: head_type 1 (gated, head_hidden [R, B, rank], head_w [rank, rank]) or 2 (rnn,
+  // [R, B, 3 rank] and [3 rank, 2 rank]).
+  const int head_type = meta.count("head_type") ? static_cast<int>(meta["head_type"]) : 0;
+  const int64_t hm = head_type == 2 ? 3 * rank : rank, hin = head_type == 2 ? 2 * rank : rank;
+  auto* head_hidden = head_type != 0 ? load("head_hidden", R * B * hm * 4, true) : nullptr;
+  auto* head_w = head_type != 0 ? load("head_w", hm * hin * 4, true) : nullptr;
   auto* conf_base = load("conf_base", R * B * 4, false);
   auto* conf_w = load("conf_w", rank * 4, false);
   auto* temperature = load("temperature", R * 4, true);
@@ -112,6 +118,9 @@ int main(int argc, char** argv) {
   p.norms = reinterpret_cast<const float*>(norms->data());
   p.max_norms = max_norms ? reinterpret_cast<const float*>(max_norms->data()) : nullptr;
   p.d2t = d2t ? reinterpret_cast<const int64_t*>(d2t->data()) : nullptr;
+  p.head_type = head_type;
+  p.head_hidden = head_hidden ? reinterpret_cast<const float*>(head_hidden->data()) : nullptr;
+  p.head_w = head_w ? reinterpret_cast<const float*>(head_w->data()) : nullptr;
   p.conf_base = conf_base ? reinterpret_cast<const float*>(conf_base->data()) : nullptr;
   p.conf_w = conf_w ? reinterpret_cast<const float*>(conf_w->data()) : nullptr;
   p.temperature = reinterpret_cast<const float*>(temperature->data());

@@ -35,9 +35,10 @@ def check_v2_head(hf_config) -> None:
     """Refuse a gated or rnn Markov head on vLLM 0.33's V2 path (after :func:`expose_dspark_keys`).
 
     Upstream's DSpark speculator builds and applies a vanilla head whatever
-    ``markov_head_type`` says, and the Markov op this plugin puts in its
-    sequential stage takes vanilla heads only: such a drafter would load and
-    draft with the wrong bias. The V1 runner serves these heads (in Python).
+    ``markov_head_type`` says, and the one-op path this plugin puts in its
+    sequential stage (``MarkovStage.draft_into``) has no hidden rows to hand
+    the op a gated or rnn head: such a drafter would load and draft with the
+    wrong bias. The V1 runner serves these heads.
     """
     head = getattr(hf_config, "markov_head_type", None) or "vanilla"
     if head != "vanilla":

@@ -16,9 +16,10 @@ markov_recurrence``, whose ``pick`` draws from the exact q). What varies between
 checkpoints sits behind two small objects the stage owns:
 
 * the **head** (``heads.py``: :class:`VanillaHead`, :class:`GatedHead`, :class:`RnnHead`): its
-  embedding of the previous token, its per-block bias, and (vanilla) the bound the op prunes
-  with. The op takes vanilla heads only: greedy rows of a gated or rnn head go through the
-  Python recurrence with an argmax pick, and ``Drafts.path`` says so (``"reference-gated"``);
+  embedding of the previous token, its per-block bias, the bound the op prunes with, and (gated,
+  rnn) the op's head arguments from the block's hidden rows (``op_args``). Greedy rows of every
+  head run on the op (``Drafts.path`` ``"compiled"``; ``"reference-gated"`` / ``"reference-rnn"``
+  when the op falls back to the reference for a head that reads hidden rows);
 * the **vocabulary map** (:class:`IdentityVocab`, or :class:`DraftVocab` for a
   checkpoint with a draft vocabulary, ``MarkovWeights.d2t``): draft ids to
   target ids, and q from draft to target vocabulary. The op and the recurrence
@@ -173,22 +174,21 @@ class MarkovStage:
                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, str]:
         """Greedy rows: (tokens [R, N] target ids, conf [R, N], path).
 
-        A vanilla head drafts through the Markov draft op. The op does not take gated or rnn heads
-        yet: their rows go through the Python recurrence with an argmax pick (the reference's, NaN
-        policy included), from ``hidden`` [R, N, H], and the path is ``"reference-<head>"``."""
-        w = self.weights
-        if self.head.needs_hidden:
-            from vllm_dspark.ops.markov_reference import markov_draft_reference
-
-            bias = self.head.start(hidden)
-            tokens, conf = markov_draft_reference(base, anchors, w.markov_w1, w.markov_w2, conf_base,
-                                                  w.conf_w_markov, d2t=self.vocab.d2t, head_bias=bias)
-            return self.vocab.to_target(tokens), conf, f"reference-{self.head.kind}"
+        Every head drafts through the Markov draft op. A gated or rnn head reads ``hidden``
+        [R, N, H]: its part of the head is computed here for every position (``op_args``) and the
+        op runs the token-dependent part; the path is ``"compiled"``, or ``"reference-<head>"``
+        when the op falls back to the reference (which computes the same thing)."""
         from vllm_dspark.ops import markov_draft
 
+        w = self.weights
+        head_kw: dict[str, Any] = {}
+        if self.head.needs_hidden:
+            head_hidden, head_w, code = self.head.op_args(hidden)  # type: ignore[attr-defined]
+            head_kw = dict(head_hidden=head_hidden.to(base.device), head_w=head_w.to(base.device), head_type=code)
         out = markov_draft(base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base,
-                           w.conf_w_markov, max_norms=self.head.max_norms, d2t=self.vocab.d2t)
-        return self.vocab.to_target(out.tokens), out.conf, out.path
+                           w.conf_w_markov, max_norms=self.head.max_norms, d2t=self.vocab.d2t, **head_kw)
+        path = out.path if out.path == "compiled" or not head_kw else f"reference-{self.head.kind}"
+        return self.vocab.to_target(out.tokens), out.conf, path
 
     def sampled(self, base: torch.Tensor, anchors: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
                 conf_base: torch.Tensor | None, *, top_k: torch.Tensor | None = None,
@@ -248,11 +248,12 @@ class MarkovStage:
         With a draft vocabulary ``out_tokens`` ends in target ids (mapped after the op by a gather
         into a temporary from the caching allocator: still no sync) but ``out_logits`` is
         [R, N, Vd], in draft ids: the caller maps what it makes from them (``self.vocab.q_to_target``
-        for a q). The op takes vanilla heads only: a gated or rnn head is refused here (V2 would
-        otherwise draft it as vanilla, silently)."""
+        for a q). A gated or rnn head is refused here: this path has no hidden rows to hand the op
+        (V2 would otherwise draft it as vanilla, silently); ``MarkovStage.draft`` takes them."""
         if self.head.needs_hidden:
-            raise NotImplementedError(f"vllm_dspark: the Markov draft op does not take {self.head.kind} heads yet; "
-                                      "this drafter is drafted through MarkovStage.draft (the Python recurrence)")
+            raise NotImplementedError(f"vllm_dspark: the one-op path (draft_into, V2) does not take {self.head.kind} "
+                                      "heads: it has no hidden rows for them; this drafter is drafted through "
+                                      "MarkovStage.draft")
         if op is None:
             op = torch.ops.vllm_dspark.markov_draft
         w = self.weights

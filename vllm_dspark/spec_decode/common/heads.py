@@ -16,12 +16,17 @@ input, for every head, as DeepSpec's ``predict_confidence_step`` reads it) and
 that ``ops.markov_reference.markov_recurrence`` calls left to right. A stepper holds
 the block's hidden rows and, for rnn, the state: a new ``start`` is a new block.
 
-Numerics: the gate and the recurrence are evaluated in fp64 and the bias is rounded
-once to fp32, like the vanilla bias (the op's contract), so a future kernel can
-match it token for token. **The compiled op (``markov_draft``) takes vanilla heads
-only**; :class:`~vllm_dspark.spec_decode.common.drafts.MarkovStage` drafts gated
-and rnn heads through the Python recurrence (its ``path`` says ``"reference-gated"``
-or ``"reference-rnn"``), and V2's one-op path refuses them.
+A gated or rnn head also gives the compiled op its arguments (:meth:`GatedHead.op_args`):
+the part that reads the hidden rows, for every position at once, ``head_hidden``
+[R, N, m] = fp32(fp64(h) @ fp64(W_h).T + fp64(b)) (gated ``W_h = Wg[:, :H]``, m = r;
+rnn ``W_h = Wj[:, 2r:]``, m = 3r), and the token-side weights ``head_w`` (gated
+``Wg[:, H:]``, rnn ``Wj[:, :2r]``) in fp32. ``start`` runs the same arguments through
+``ops.markov_reference.head_stepper``, the op's definition: the gate and the
+recurrence in fp64, ``v`` rounded once to fp32, the bias ``fp32(fp64(v) @ fp64(W2).T)``.
+So the Python recurrence (sampled rows, the fallback) and the op (greedy rows:
+:class:`~vllm_dspark.spec_decode.common.drafts.MarkovStage` drafts them with
+``markov_draft``, path ``"compiled"``) compute one thing. V2's one-op path
+(``MarkovStage.draft_into``) still refuses these heads: it has no hidden rows.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Callable
 import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
-from vllm_dspark.ops.markov_reference import embed_prev
+from vllm_dspark.ops.markov_reference import embed_prev, head_stepper
 
 BiasStep = Callable[[int, torch.Tensor], torch.Tensor]  # (position k, e_k [R, r] fp32) -> bias [R, V] fp32
 
@@ -41,7 +46,8 @@ class VanillaHead:
 
     ``embed`` and ``start`` are what the shared recurrence calls; ``row_norms``
     and ``max_norms`` are the bound the op prunes with (Cauchy-Schwarz on
-    ``markov_w2[j] . e``), which a head the op takes must restate for its own bias.
+    ``markov_w2[j] . v``; the gated and rnn heads pass the same tensors, the op
+    takes each row's own ``||v||`` and, for rnn, ``sqrt(rank)`` as the maximum).
     """
 
     kind = "vanilla"
@@ -74,9 +80,23 @@ class VanillaHead:
 
 
 class _HiddenHead(VanillaHead):
-    """A head whose bias reads the hidden row of each position (the op does not take these yet)."""
+    """A head whose bias reads the hidden row of each position: the op takes it as
+    ``(head_hidden, head_w, head_type)`` (:meth:`op_args`)."""
 
     needs_hidden = True
+    code = 0  # the op's head_type
+    _head_w: torch.Tensor | None = None
+
+    def op_args(self, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The compiled op's head arguments for one block per row: ``head_hidden`` [R, N, m] fp32
+        (fp64 product with the hidden rows, bias included, rounded once), ``head_w`` fp32 (cached
+        per device) and ``head_type``, from ``hidden`` [R, N, H]."""
+        raise NotImplementedError
+
+    def start(self, hidden: torch.Tensor | None = None) -> BiasStep:
+        """One block per row: the op's own definition (``head_stepper``) on :meth:`op_args`."""
+        head_hidden, head_w, code = self.op_args(hidden)
+        return head_stepper(code, head_hidden, head_w, self.weights.markov_w2)
 
     def _hidden64(self, hidden: torch.Tensor | None, width: int) -> torch.Tensor:
         if hidden is None:
@@ -86,73 +106,56 @@ class _HiddenHead(VanillaHead):
             raise ValueError(f"the {self.kind} Markov head takes hidden rows [R, N, {width}], got {list(hidden.shape)}")
         return hidden.to(torch.float64)
 
-    @property
-    def row_norms(self) -> torch.Tensor:
-        raise NotImplementedError(f"the Markov draft op does not take {self.kind} heads (no pruning bound)")
-
-    @property
-    def max_norms(self) -> torch.Tensor | None:
-        raise NotImplementedError(f"the Markov draft op does not take {self.kind} heads (no pruning bound)")
-
 
 class GatedHead(_HiddenHead):
-    """``b_k = markov_w2 @ (g_k * e_k)``, ``g_k = sigmoid(Wg [h_k ; e_k] + bg)``."""
+    """``b_k = markov_w2 @ (g_k * e_k)``, ``g_k = sigmoid(Wg [h_k ; e_k] + bg)``.
+
+    The op's ``head_hidden`` is ``Wg[:, :H] h + bg`` [R, N, r], ``head_w`` ``Wg[:, H:]`` [r, r]."""
 
     kind = "gated"
+    code = 1
 
     def __init__(self, weights: MarkovWeights):
         super().__init__(weights)
         assert weights.gate_weight is not None and weights.gate_bias is not None, "a gated head needs gate_proj"
         self.hidden_size = int(weights.gate_weight.shape[1]) - weights.rank
 
-    def start(self, hidden: torch.Tensor | None = None) -> BiasStep:
+    def op_args(self, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
         w = self.weights
         assert w.gate_weight is not None and w.gate_bias is not None
-        h = self.hidden_size
-        wg = w.gate_weight.to(device=w.markov_w2.device, dtype=torch.float64)  # [r, H + r]
-        # The hidden part of every position at once: [R, N, r].
-        gh = self._hidden64(hidden, h).to(wg.device) @ wg[:, :h].T + w.gate_bias.to(wg)
-        wg_e = wg[:, h:]  # [r, r]
-        w2 = w.markov_w2.to(torch.float64)
-
-        def step(k: int, e: torch.Tensor) -> torch.Tensor:
-            e64 = e.double()
-            g = torch.sigmoid(gh[:, k] + e64 @ wg_e.T)  # [R, r]
-            return ((g * e64) @ w2.T).float()
-        return step
+        dev, h = w.markov_w2.device, self.hidden_size
+        wg = w.gate_weight.to(dev)  # [r, H + r]: hidden columns first, then e's
+        head_hidden = (self._hidden64(hidden, h).to(dev) @ wg[:, :h].to(torch.float64).T
+                       + w.gate_bias.to(dev, torch.float64)).to(torch.float32)  # [R, N, r]
+        if self._head_w is None or self._head_w.device != dev:
+            self._head_w = wg[:, h:].to(torch.float32).contiguous()  # [r, r]
+        return head_hidden, self._head_w, self.code
 
 
 class RnnHead(_HiddenHead):
-    """``b_k = markov_w2 @ tanh(o_k)`` from a gated state carried along the block (zero at its start)."""
+    """``b_k = markov_w2 @ tanh(o_k)`` from a gated state carried along the block (zero at its start).
+
+    The op's ``head_hidden`` is ``Wj[:, 2r:] h + bj`` [R, N, 3r], ``head_w`` ``Wj[:, :2r]`` [3r, 2r]
+    (the state's columns, then e's)."""
 
     kind = "rnn"
+    code = 2
 
     def __init__(self, weights: MarkovWeights):
         super().__init__(weights)
         assert weights.joint_weight is not None and weights.joint_bias is not None, "an rnn head needs joint_proj"
         self.hidden_size = int(weights.joint_weight.shape[1]) - 2 * weights.rank
 
-    def start(self, hidden: torch.Tensor | None = None) -> BiasStep:
+    def op_args(self, hidden: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int]:
         w = self.weights
         assert w.joint_weight is not None and w.joint_bias is not None
-        r = w.rank
-        wj = w.joint_weight.to(device=w.markov_w2.device, dtype=torch.float64)  # [3r, 2r + H]
-        jh = self._hidden64(hidden, self.hidden_size).to(wj.device) @ wj[:, 2 * r:].T + w.joint_bias.to(wj)  # [R,N,3r]
-        w_s, w_e = wj[:, :r], wj[:, r:2 * r]  # [3r, r] each
-        w2 = w.markov_w2.to(torch.float64)
-        state = [torch.zeros(jh.shape[0], r, dtype=torch.float64, device=wj.device)]  # s_{-1} = 0, [R, r]
-        last = [-1]
-
-        def step(k: int, e: torch.Tensor) -> torch.Tensor:
-            if k != last[0] + 1:
-                raise RuntimeError(f"the rnn head's state runs left to right: position {k} after {last[0]}")
-            last[0] = k
-            s = state[0]
-            a, c, o = (jh[:, k] + s @ w_s.T + e.double() @ w_e.T).split(r, dim=-1)
-            gate = torch.sigmoid(a)
-            state[0] = gate * s + (1.0 - gate) * torch.tanh(c)
-            return (torch.tanh(o) @ w2.T).float()
-        return step
+        dev, r = w.markov_w2.device, w.rank
+        wj = w.joint_weight.to(dev)  # [3r, 2r + H]: [s ; e ; h]
+        head_hidden = (self._hidden64(hidden, self.hidden_size).to(dev) @ wj[:, 2 * r:].to(torch.float64).T
+                       + w.joint_bias.to(dev, torch.float64)).to(torch.float32)  # [R, N, 3r]
+        if self._head_w is None or self._head_w.device != dev:
+            self._head_w = wj[:, :2 * r].to(torch.float32).contiguous()  # [3r, 2r]
+        return head_hidden, self._head_w, self.code
 
 
 HEADS = {"vanilla": VanillaHead, "gated": GatedHead, "rnn": RnnHead}

@@ -23,8 +23,8 @@ with Markov and confidence heads) plus what the V1 proposer needs:
 * older exports' ``logit_head.`` tensor names load;
 * a gated or rnn Markov head's projection (``markov_head.gate_proj`` /
   ``joint_proj``), which upstream's head does not have, goes straight to
-  :class:`MarkovWeights`; the stage drafts such heads in Python
-  (``spec_decode/common/heads.py``: the op takes vanilla heads only);
+  :class:`MarkovWeights`; the stage drafts such heads' greedy rows on the op
+  with their arguments (``spec_decode/common/heads.py``: ``op_args``);
 * a serve-time draft vocabulary (the ``draft_vocab`` setting): the Markov
   weights get the N most frequent tokens' ``markov_w2`` rows and their ``d2t``,
   and :meth:`DSparkV1DraftModel.draft_logits` scores those N rows of the LM head
