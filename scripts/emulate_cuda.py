@@ -377,7 +377,8 @@ def head_grid(quick: bool):
     if not quick:
         combos = [(mode, dv, dn, {}) for mode in ("greedy", "sampled", "mixed") for dv in (False, True)
                   for dn in ("fp32", "bf16", "fp16")] + [
-                  ("mixed", False, "bf16", dict(return_logits=True)), ("greedy", True, "fp32", dict(return_logits=True)),
+                  ("mixed", False, "bf16", dict(return_logits=True)),
+                  ("greedy", True, "fp32", dict(return_logits=True)),
                   ("mixed", False, "fp32", dict(pass_max_norms=False))]
     for k, head in enumerate(("gated", "rnn")):
         for j, (mode, dv, dn, kw) in enumerate(combos):

@@ -179,6 +179,26 @@ def tiny_pair(root: Path, *, vocab: int = VOCAB, seed: int = 3, target: dict | N
     return TinyPair(str(tdir), str(ddir), bigram, draft_bigram, cfg, root)
 
 
+def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0,
+                 backbone_scale: float = 0.0) -> tuple[Path, Any]:
+    """An oracle drafter of the session pair's target (it knows the whole bigram table), saved in SpecForge's
+    layout and re-saved in ``layout``: ``"deepspec"`` (flat keys, target copies of embed_tokens / lm_head) or
+    ``"speculators"`` (1 + N layout, a draft vocabulary of the target ids the table uses plus end-of-sequence,
+    ``d2t`` shifted by ``shift`` draft ids when asked). Returns (its directory, the draft vocabulary's target
+    ids or None)."""
+    import torch
+
+    from vllm_dspark.tools.tiny_pair import TOKEN_IDS, make_drafter, to_deepspec_layout, to_speculators_layout
+
+    src = make_drafter(root / "specforge", pair["config"], mode="oracle", bigram=pair["bigram"], seed=5,
+                       backbone_scale=backbone_scale)
+    if layout == "deepspec":
+        return to_deepspec_layout(src, root / layout, target=pair["target"]), None
+    ids = torch.unique(torch.cat([pair["bigram"], torch.tensor([TOKEN_IDS["eos"]])]))
+    return to_speculators_layout(src, root / layout, target=pair["target"], draft_ids=ids, shift=shift,
+                                 sample_from_anchor=False), ids
+
+
 # ---------------------------------------------------------------- the one `vllm serve` helper
 @dataclass
 class Server:

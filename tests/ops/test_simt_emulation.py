@@ -180,8 +180,8 @@ def _rnn_state_never_advances(src: str) -> str:
     return src.replace(old, "")
 
 
-@pytest.mark.parametrize("mutation,heads", [(_head_as_vanilla, ("gated", "rnn")), (_rnn_state_never_advances, ("rnn",))],
-                         ids=["v-is-e", "rnn-state-frozen"])
+@pytest.mark.parametrize("mutation,heads", [(_head_as_vanilla, ("gated", "rnn")),
+                                            (_rnn_state_never_advances, ("rnn",))], ids=["v-is-e", "rnn-state-frozen"])
 def test_harness_catches_a_wrong_head(tmp_path, mutation, heads):
     exe = E.build_harness(_mutant(tmp_path, mutation), opt="-O0")
     caught = set()

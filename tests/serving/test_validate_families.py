@@ -87,14 +87,44 @@ def test_unknown_architecture_and_causal_exports_are_refused_by_name(tmp_path):
     assert "is_causal: true" in msg
 
 
-@pytest.mark.parametrize("changes,needle", [
-    ({"draft_vocab_size": 40}, "draft_vocab_size: 40"),
-])
-def test_draft_vocabularies_parse_but_wait_for_the_markov_stage(tmp_path, changes, needle):
-    ckpt = save(tmp_path / "ckpt", tiny_config(**changes))
+def test_a_draft_vocabulary_checkpoint_validates_for_serving(tmp_path):
+    cfg, settings = serve(save(tmp_path / "ckpt", tiny_config(draft_vocab_size=40)))
+    assert cfg.draft_vocab_size == 40 and settings.draft_vocab is None  # its own vocabulary, no serve-time one
+
+
+def _edit(ckpt: Path, fn) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(ckpt / "model.safetensors"))
+    fn(state)
+    save_file(state, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return ckpt
+
+
+def _with_t2d(s):
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[::2] = True  # the ids d2t maps to (2i)
+    s["t2d"] = t2d
+
+
+# Issue 30 item 6: each refused at start-up, by name, before any engine process.
+@pytest.mark.parametrize("corrupt,needles", [
+    (lambda s: s["d2t"].__setitem__(5, 200), ("d2t:", "outside the target vocabulary", "draft id 5 -> 205")),
+    (lambda s: s["d2t"].__setitem__(1, -1), ("d2t:", "more than one draft id", "target id 0")),
+    (lambda s: (_with_t2d(s), s["t2d"].__setitem__(1, True)), ("t2d: disagrees with d2t",)),
+    (lambda s: s.pop("lm_head.weight"), ("lm_head.weight: missing", "draft_vocab_size 40", "cannot stand in")),
+], ids=["d2t-outside", "d2t-repeated", "t2d-disagrees", "no-lm-head"])
+def test_bad_draft_vocabulary_maps_are_refused_at_start_up_by_name(tmp_path, corrupt, needles):
+    ckpt = _edit(save(tmp_path / "ckpt", tiny_config(draft_vocab_size=40)), corrupt)
     msg = refusal(ckpt)
-    assert needle in msg and "Markov stage does not serve it yet" in msg
-    assert msg.count("\n  - ") == 1  # the checkpoint itself is valid: that is the only problem
+    assert any(all(n in line for n in needles) for line in msg.split("\n  - ")), msg
+
+
+def test_speculative_tokens_that_disagree_with_block_and_layout_are_refused_at_start_up(tmp_path):
+    config = json.loads((FAMILIES_DIR / "speculators-qwen3.6-35b-a3b.json").read_text())
+    config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = 7  # block 8, anchor-first: 8
+    msg = refusal(draft_dir(tmp_path, config))
+    assert "speculative_tokens: got 7" in msg and "block_size 8" in msg and "proposes 8" in msg
 
 
 @pytest.mark.parametrize("head", ["gated", "rnn"])
@@ -103,18 +133,19 @@ def test_gated_and_rnn_heads_validate_for_serving(tmp_path, head):
     assert cfg.markov_head_type == head
 
 
-def test_deepspec_and_speculators_layouts_wait_for_the_v1_loader(tmp_path):
+def test_deepspec_and_speculators_layouts_are_no_longer_refused_as_in_progress(tmp_path):
     for i, name in enumerate(("deepspec-qwen3-4b-block7.constructed.json", "speculators-qwen3.6-35b-a3b.json")):
-        msg = refusal(draft_dir(tmp_path, FAMILIES_DIR / name, f"d{i}"))
-        assert "loader reads SpecForge exports" in msg and V2_RUNNER in msg
+        msg = refusal(draft_dir(tmp_path, FAMILIES_DIR / name, f"d{i}"))  # a bare config: the weights are missing
+        assert "model.safetensors: missing" in msg and "not served" not in msg and "SpecForge exports" not in msg
 
 
 def test_in_progress_refusals_are_one_function_and_empty_for_what_serves():
     assert in_progress_refusals(DSparkConfig.from_json(K3_CONFIG)) == []
     assert v1_runner_refusal(DSparkConfig.from_json(K3_CONFIG)) is None
-    gated = DSparkConfig.from_json(FAMILIES_DIR / "speculators-glm-5.2-gated-1pn.constructed.json")
-    lines = in_progress_refusals(gated)
-    assert len(lines) == 2  # the draft vocabulary, the speculators layout (gated heads are served)
+    for name in ("speculators-glm-5.2-gated-1pn.constructed.json", "deepspec-qwen3-4b-block7.constructed.json",
+                 "specforge-qwen3-8b-dspark-draftvocab32k.json"):
+        cfg = DSparkConfig.from_json(FAMILIES_DIR / name)
+        assert in_progress_refusals(cfg) == [] and v1_runner_refusal(cfg) is None, name
 
 
 def test_a_servable_specforge_draft_still_validates(tmp_path):
