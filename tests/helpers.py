@@ -199,6 +199,20 @@ def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0,
                                  sample_from_anchor=False), ids
 
 
+def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+    """Greedy answers of ``target`` with ``draft`` verifying every draft (``verification: fixed``), and
+    vLLM's acceptance summary: (tokens per prompt, summary)."""
+    from vllm import SamplingParams
+
+    from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
+
+    spec = {"method": "dspark", "model": str(draft), "dspark": {"verification": "fixed"}}
+    with llm_engine(target, speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        return [list(o.outputs[0].token_ids) for o in outs], acceptance_summary(spec_metrics(llm))
+
+
 # ---------------------------------------------------------------- the one `vllm serve` helper
 @dataclass
 class Server:

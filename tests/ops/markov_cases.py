@@ -205,16 +205,21 @@ HOST_TENSOR_ARGS = ("conf_base", "conf_w_markov", "out_logits", "out_stats", "ma
                     "head_w")
 
 
-def check_matches_reference(shape, dtype, mode, dense, device="cuda"):
-    R, B, V, rank = shape
-    case = to_device(cached_case(R, B, V, rank, dtype, seed=3, peaky=V > 1000), device)
-    temp = temperatures(R, mode).to(device)
-    out = run_compiled(case, temp, return_logits=dense)
+def _compiled_matches_reference(case, temp, vocab, *, dense, with_max_norms=True):
+    """The compiled op against the reference: tokens and confidences, and when ``dense`` the logits
+    and an exact score for every one of the ``vocab`` rows."""
+    out = run_compiled(case, temp, with_max_norms=with_max_norms, return_logits=dense)
     ref = run_reference(case, temp, return_logits=dense)
     assert_matches(out, ref)
     if dense:
         torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
-        assert bool((out.stats == V).all())
+        assert bool((out.stats == vocab).all())
+
+
+def check_matches_reference(shape, dtype, mode, dense, device="cuda"):
+    R, B, V, rank = shape
+    case = to_device(cached_case(R, B, V, rank, dtype, seed=3, peaky=V > 1000), device)
+    _compiled_matches_reference(case, temperatures(R, mode).to(device), V, dense=dense)
 
 
 def check_matches_upstream_loop_on_clear_winners(R, device="cuda"):
@@ -288,13 +293,8 @@ def check_draft_vocab(shape, target_vocab, dtype, mode, dense, sort=True, with_m
     w_std = 0.5 if Vd < 1000 else 0.05
     case = to_device(with_draft_vocab(make_case(R, B, Vd, rank, dtype, seed=17, peaky=Vd > 1000),
                                       target_vocab, seed=18, sort=sort, w_std=w_std), device)
-    temp = temperatures(R, mode).to(device)
-    out = run_compiled(case, temp, with_max_norms=with_max_norms, return_logits=dense)
-    ref = run_reference(case, temp, return_logits=dense)
-    assert_matches(out, ref)
-    if dense:
-        torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
-        assert bool((out.stats == Vd).all())
+    _compiled_matches_reference(case, temperatures(R, mode).to(device), Vd, dense=dense,
+                                with_max_norms=with_max_norms)
 
 
 def check_head(head, shape, dtype, mode, dense, draft_vocab=False, with_max_norms=True, device="cuda"):
@@ -307,13 +307,8 @@ def check_head(head, shape, dtype, mode, dense, draft_vocab=False, with_max_norm
     if draft_vocab:
         case = with_draft_vocab(case, K3_VOCAB if V >= 32000 else 2 * V + 500, seed=19, w_std=w_std)
     case = to_device(with_head(case, head, seed=20), device)
-    temp = temperatures(R, mode).to(device)
-    out = run_compiled(case, temp, with_max_norms=with_max_norms, return_logits=dense)
-    ref = run_reference(case, temp, return_logits=dense)
-    assert_matches(out, ref)
-    if dense:
-        torch.testing.assert_close(out.logits, ref[2], atol=1e-6, rtol=1e-6)
-        assert bool((out.stats == V).all())
+    _compiled_matches_reference(case, temperatures(R, mode).to(device), V, dense=dense,
+                                with_max_norms=with_max_norms)
 
 
 def check_all_equal_base_goes_dense(device="cuda"):

@@ -65,13 +65,18 @@ def report(tmp_path_factory) -> dict:
     return _dry_run(tmp_path_factory.mktemp("gpu-check"), "--dry-run")
 
 
-@pytest.fixture(scope="module")
-def gpu_check():
-    """The script as a module (its CUDA parts take ``device``, so they run on the CPU too)."""
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+def _load_script(name: str, path: Path):
+    """A script of scripts/ imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    """The script as a module (its CUDA parts take ``device``, so they run on the CPU too)."""
+    return _load_script("gpu_check", SCRIPT)
 
 
 def test_dry_run_writes_the_schema_with_cuda_parts_not_run(report):
@@ -133,10 +138,7 @@ WEIGHTS = ["tests/fixtures/toy_pair/drafter/model.safetensors", "tests/fixtures/
 
 @pytest.fixture(scope="module")
 def device_tree():
-    spec = importlib.util.spec_from_file_location("device_tree", TREE_SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _load_script("device_tree", TREE_SCRIPT)
 
 
 def _git(repo: Path, *args: str) -> str:

@@ -117,22 +117,23 @@ def _remove_second_barrier_of_block_max(src: str) -> str:
     return src[:second] + "/* barrier removed */" + src[second + len("__syncthreads();"):]
 
 
+def _replace_once(src: str, old: str, new: str) -> str:
+    """``src`` with its one occurrence of ``old`` replaced (a mutation that no longer applies fails)."""
+    assert src.count(old) == 1, old
+    return src.replace(old, new)
+
+
 def _off_by_one_token_index(src: str) -> str:
-    old = "gst(out + pos, Entry{jx[e], xs[e]});"
-    assert src.count(old) == 1
-    return src.replace(old, "gst(out + pos, Entry{jx[e] + 1, xs[e]});")
+    return _replace_once(src, "gst(out + pos, Entry{jx[e], xs[e]});", "gst(out + pos, Entry{jx[e] + 1, xs[e]});")
 
 
 def _barrier_in_thread_zero(src: str) -> str:
-    old = "  if (tid == 0) s_count[0] = 0;\n"
-    assert src.count(old) == 1
-    return src.replace(old, "  if (tid == 0) { s_count[0] = 0; __syncthreads(); }\n")
+    return _replace_once(src, "  if (tid == 0) s_count[0] = 0;\n",
+                         "  if (tid == 0) { s_count[0] = 0; __syncthreads(); }\n")
 
 
 def _draft_id_as_w1_row(src: str) -> str:
-    old = "    s_prev[0] = w1_row_of(p, tok);"
-    assert src.count(old) == 1
-    return src.replace(old, "    s_prev[0] = tok;")
+    return _replace_once(src, "    s_prev[0] = w1_row_of(p, tok);", "    s_prev[0] = tok;")
 
 
 def _small_case():
@@ -169,15 +170,11 @@ def test_harness_catches_an_unmapped_draft_token(tmp_path):
 
 
 def _head_as_vanilla(src: str) -> str:
-    old = "    v_put(k, v);\n"
-    assert src.count(old) == 1
-    return src.replace(old, "    v_put(k, static_cast<float>(e_at(k)));\n")
+    return _replace_once(src, "    v_put(k, v);\n", "    v_put(k, static_cast<float>(e_at(k)));\n")
 
 
 def _rnn_state_never_advances(src: str) -> str:
-    old = "      gst(s + k, rnn_state(gld(z + k), gld(z + rank + k), gld(s + k)));\n"
-    assert src.count(old) == 1
-    return src.replace(old, "")
+    return _replace_once(src, "      gst(s + k, rnn_state(gld(z + k), gld(z + rank + k), gld(s + k)));\n", "")
 
 
 @pytest.mark.parametrize("mutation,heads", [(_head_as_vanilla, ("gated", "rnn")),

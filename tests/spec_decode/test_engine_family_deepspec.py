@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import MAX_TOKENS, family_draft
+from tests.helpers import family_draft, greedy_fixed_run
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def deepspec_run(qwen_pair, prompts, tmp_path_factory):
-    from vllm import SamplingParams
-
     draft, _ = family_draft(qwen_pair, tmp_path_factory.mktemp("deepspec"), "deepspec")
-    spec = {"method": "dspark", "model": str(draft), "dspark": {"verification": "fixed"}}
-    with llm_engine(qwen_pair["target"], speculative_config=spec) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        metrics = spec_metrics(llm)
-    return DSparkConfig.from_json(draft), tokens, acceptance_summary(metrics)
+    return (DSparkConfig.from_json(draft), *greedy_fixed_run(qwen_pair["target"], draft, prompts))
 
 
 def test_a_deepspec_checkpoint_is_lossless(deepspec_run, qwen_baseline):

@@ -8,24 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import MAX_TOKENS, family_draft
-from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
+from tests.helpers import family_draft, greedy_fixed_run
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def shifted_run(qwen_pair, prompts, tmp_path_factory):
-    from vllm import SamplingParams
-
     draft, _ = family_draft(qwen_pair, tmp_path_factory.mktemp("shifted"), "speculators", shift=1)
-    spec = {"method": "dspark", "model": str(draft), "dspark": {"verification": "fixed"}}
-    with llm_engine(qwen_pair["target"], speculative_config=spec) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
-        metrics = spec_metrics(llm)
-    return tokens, acceptance_summary(metrics)
+    return greedy_fixed_run(qwen_pair["target"], draft, prompts)
 
 
 def test_a_shifted_d2t_accepts_almost_nothing_and_stays_lossless(shifted_run, qwen_baseline):
