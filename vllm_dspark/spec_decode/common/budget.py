@@ -73,6 +73,12 @@ def survival(conf: np.ndarray) -> np.ndarray:
     return np.cumprod(np.clip(np.asarray(conf, dtype=np.float64), 0.0, 1.0), axis=1)
 
 
+def expected_tokens(surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
+    """[R, N] survivals -> [R] expected accepted tokens within each request's cap."""
+    within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64)[:, None]
+    return np.where(within, surv, 0.0).sum(1)
+
+
 def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_tokens: int = 0,
              margin: float = 0.02) -> Allocation:
     """Admit the survival-ranked prefix of slots that maximises expected tokens per second.
@@ -289,7 +295,7 @@ class BudgetPolicy:
         one :class:`Feedback` per request that sent drafts (or its 4-tuple)."""
         seen = [f for f in map(Feedback.of, results) if f.verified > 0]
         # What was expected of the drafter's first positions (before they are observed).
-        first = {MODEL_SOURCE: self.calibrator.levels()[:, 0]}
+        first = self.calibrator.levels()[:, 0]
         for f in seen:
             self.calibrator_of(f.source).observe(f.confidence, f.verified, f.accepted, f.sampled)
         # The states below are the drafter's: another source's drafts (a copy) are no evidence of it.
@@ -314,7 +320,7 @@ class BudgetPolicy:
                 self.reject_steps, self.surprise = 0, 0.0
             else:
                 self.reject_steps += 1
-                self.surprise += float(sum(-np.log(max(1e-9, 1.0 - first[f.source][int(f.sampled)])) for f in seen))
+                self.surprise += float(sum(-np.log(max(1e-9, 1.0 - first[int(f.sampled)])) for f in seen))
             # Stop after reject_run such steps, or sooner once the run was unlikely (< 1 %) under the
             # measured acceptance: one step at batch 32, two at batch 1 after 90 % acceptance.
             run_over = self.reject_steps >= t.reject_run or self.surprise >= STOP_SURPRISE
@@ -429,8 +435,7 @@ class BudgetPolicy:
         assert self.costs is not None
         names = list(confs)
         survs = [survival(self.calibrator_of(s).calibrate(confs[s], sampled)) for s in names]
-        cap = np.asarray(caps, dtype=np.int64)[:, None]
-        expected = np.stack([np.where(np.arange(x.shape[1])[None] < cap, x, 0.0).sum(1) for x in survs])
+        expected = np.stack([expected_tokens(x, caps) for x in survs])
         pick = np.argmax(expected, axis=0) if len(names) > 1 else np.zeros(len(caps), dtype=np.int64)
         surv = np.stack(survs)[pick, np.arange(len(caps))] if len(caps) else survs[0]
         alloc = allocate(surv, caps, self.costs, margin=self.margin)

@@ -29,7 +29,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from vllm_dspark.spec_decode.common.budget import BudgetPolicy, Feedback, Plan, PlanMode, allocate, survival
+from vllm_dspark.spec_decode.common.budget import (
+    BudgetPolicy,
+    Feedback,
+    Plan,
+    PlanMode,
+    allocate,
+    expected_tokens,
+    survival,
+)
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 
 
@@ -72,15 +80,10 @@ class CopyPolicy:
             s = survival(self.calibrator.calibrate(conf, sampled))
         return np.where(np.arange(conf.shape[1])[None, :] < np.asarray(lengths)[:, None], s, 0.0)
 
-    def expected(self, surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
-        """[R] expected accepted tokens within each request's cap."""
-        within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64)[:, None]
-        return np.where(within, surv, 0.0).sum(1)
-
     def model_expected(self, caps: Sequence[int], sampled: np.ndarray, n: int) -> np.ndarray:
         """[R] what the drafter is expected to get accepted, from its measured levels (its head's word
         is not in yet: its forward has not run)."""
-        return self.expected(self.policy.level_survival(sampled)[:, :n], caps)
+        return expected_tokens(self.policy.level_survival(sampled)[:, :n], caps)
 
     def _probe(self, conf: np.ndarray, lengths: Sequence[int], caps: Sequence[int],
                sampled: np.ndarray, free: np.ndarray, extra: int) -> list[int]:
@@ -152,7 +155,7 @@ class CopyPolicy:
         copy would never be tried beside a drafter that wins every tie)."""
         assert self.policy.costs is not None
         model_exp = self.model_expected(drafter_caps, sampled, surv.shape[1])
-        copy_exp = self.expected(surv, caps)
+        copy_exp = expected_tokens(surv, caps)
         live = np.asarray(caps) > 0  # requests with a copy
         if np.all((copy_exp >= model_exp) | (np.asarray(drafter_caps) <= 0)):
             kept = allocate(surv, caps, self.policy.costs).kept
@@ -162,7 +165,7 @@ class CopyPolicy:
                 return Plan(model.mode, model.rows, model.tokens, (COPY_SOURCE,), tuple(kept), PlanMode.DRAFT)
         if np.any((copy_exp > model_exp) & live):
             return Plan(model.mode, model.rows, model.tokens, (MODEL_SOURCE, COPY_SOURCE))
-        opt = self.expected(self.survival(conf, lengths, sampled, optimistic=True), caps)
+        opt = expected_tokens(self.survival(conf, lengths, sampled, optimistic=True), caps)
         free = (opt > model_exp) & live
         if not free.any():
             return model

@@ -68,15 +68,6 @@ class SuffixIndex:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def _hashes(self, end: int, upto: int) -> list[int]:
-        """Hashes of the n-grams ending at ``end``, n = 1..upto, in one backward pass (the hash of
-        n tokens is the hash of n - 1 plus the new first token times P^(n-1))."""
-        toks, out, h = self.tokens, [], 0
-        for n in range(1, upto + 1):
-            h = (h + (toks[end - n + 1] + 1) * _POW[n - 1]) & _MASK
-            out.append(h)
-        return out
-
     def extend(self, new: Sequence[int]) -> None:
         new = [int(t) for t in new]
         if len(new) > _BULK:
@@ -85,7 +76,7 @@ class SuffixIndex:
         toks = self.tokens
         for t in new:
             end = len(toks) - 1  # the previous newest token becomes indexable
-            hashes = self._hashes(end, min(self.max_match, end + 1))
+            hashes = _hashes_ending(toks, end, min(self.max_match, end + 1))
             for n in range(self.min_match, len(hashes) + 1):
                 self._last_end[n][hashes[n - 1]] = end
             toks.append(t)
@@ -109,28 +100,41 @@ class SuffixIndex:
     def propose(self, k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix,
         and the match length (0 and no tokens when no suffix of ``min_match`` tokens recurs)."""
+        # The index holds n-grams ending before the newest token only, so the text's own suffix
+        # can only be found earlier in it.
+        return self.find(self.tokens, k)
+
+    def find(self, query: Sequence[int], k: int) -> tuple[list[int], int]:
+        """Up to ``k`` tokens that followed the latest indexed occurrence of ``query``'s longest
+        suffix (``min_match``..``max_match`` tokens, cut at a :data:`SEP`), and the match length,
+        extended backwards up to ``MATCH_CAP``; no tokens and 0 when none is found."""
         toks = self.tokens
-        size = len(toks)
-        hashes = self._hashes(size - 1, min(self.max_match, size - 1))
+        size = len(query)
+        hashes = _hashes_ending(query, size - 1, min(self.max_match, size))
         for n in range(len(hashes), self.min_match - 1, -1):
             end = self._last_end[n].get(hashes[n - 1])
-            if end is None or toks[end - n + 1:end + 1] != toks[size - n:]:
+            if end is None or toks[end - n + 1:end + 1] != [int(t) for t in query[size - n:]]:
                 continue
             match = n
-            while match < MATCH_CAP and end - match >= 0 and toks[end - match] == toks[size - 1 - match]:
+            while match < MATCH_CAP and end - match >= 0 and match < size \
+                    and toks[end - match] == int(query[size - 1 - match]):
                 match += 1
-            return toks[end + 1:end + 1 + k], match
+            got = toks[end + 1:end + 1 + k]
+            if SEP in got:
+                got = got[:got.index(SEP)]
+            return (got, match) if got else ([], 0)
         return [], 0
 
 
 SEP = 1 << 62  # between texts in a shared index: no token equals it, so no match runs across it
 
 
-def _suffix_hashes(toks: Sequence[int], upto: int) -> list[int]:
-    """Hashes of the last n tokens of ``toks``, n = 1..upto (:meth:`SuffixIndex._hashes`'s order)."""
+def _hashes_ending(toks: Sequence[int], end: int, upto: int) -> list[int]:
+    """Hashes of the n-grams of ``toks`` ending at ``end``, n = 1..upto, in one backward pass (the hash
+    of n tokens is the hash of n - 1 plus the new first token times P^(n-1))."""
     out, h = [], 0
     for n in range(1, upto + 1):
-        h = (h + (int(toks[-n]) + 1) * _POW[n - 1]) & _MASK
+        h = (h + (int(toks[end - n + 1]) + 1) * _POW[n - 1]) & _MASK
         out.append(h)
     return out
 
@@ -167,23 +171,8 @@ class SharedText:
 
     def find(self, query: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed the latest occurrence of ``query``'s longest suffix found
-        here, and the match length (as :meth:`SuffixIndex.propose`)."""
-        toks = self.index.tokens
-        upto = min(self.max_match, len(query))
-        hashes = _suffix_hashes(query, upto)
-        for n in range(upto, self.min_match - 1, -1):
-            end = self.index._last_end[n].get(hashes[n - 1])
-            if end is None or toks[end - n + 1:end + 1] != [int(t) for t in query[len(query) - n:]]:
-                continue
-            match = n
-            while match < MATCH_CAP and end - match >= 0 and match < len(query) \
-                    and toks[end - match] == int(query[len(query) - 1 - match]):
-                match += 1
-            got = toks[end + 1:end + 1 + k]
-            if SEP in got:
-                got = got[:got.index(SEP)]
-            return (got, match) if got else ([], 0)
-        return [], 0
+        here, and the match length (:meth:`SuffixIndex.find`)."""
+        return self.index.find(query, k)
 
 
 class CopySource:

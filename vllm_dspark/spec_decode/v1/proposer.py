@@ -378,7 +378,6 @@ class DSparkProposer(DFlashProposer):
         if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
             t_copy = time.perf_counter()
             self._copy_rows = copy_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
-            assert self.copy_source is not None
             offer = copy_offer(self.copy_source, req_ids, caps, self._copy_rows, next_token_ids, self.n_draft)
             self._lap("copy_source", t_copy)
         plan = self._plan(caps, sampled, offer)
