@@ -242,7 +242,7 @@ def main() -> int:
     from vllm_dspark.tools.bench import cpu_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--suite", choices=("default", "never-lose", "verification"), default="default")
+    ap.add_argument("--suite", choices=("default", "never-lose", "verification", "draft-vocab"), default="default")
     ap.add_argument("--pair", choices=("smollm2", "toy"), default="smollm2")
     ap.add_argument("--datasets", default=None, help="comma-separated subset of the pair's prompt sets")
     ap.add_argument("--configs", default=None, help="comma-separated subset of the configuration names")
@@ -265,6 +265,8 @@ def main() -> int:
     ap.add_argument("--share-weights", action="store_true",
                     help="--lockstep: every engine reads the first-built engine's target weights (one copy in "
                          "memory: see vllm_dspark/tools/bench/shared_weights.py)")
+    ap.add_argument("--kv-cache-gib", type=int, default=2,
+                    help="--lockstep: KV cache per engine (every engine of the run lives in this process)")
     cpu_setup.add_flag(ap)
     ap.add_argument("--ignore-eos", action="store_true",
                     help="generate past the end of the turn to --max-tokens (how records before issue 17 were "
@@ -282,6 +284,7 @@ def main() -> int:
 
     from vllm_dspark.tools.bench.e2e import (
         default_pair,
+        draft_vocab_configs,
         never_lose_configs,
         run_engine,
         run_interleaved,
@@ -296,7 +299,8 @@ def main() -> int:
         datasets = {k: v for k, v in datasets.items() if k in args.datasets.split(",")}
     elif args.suite == "verification":
         datasets = dict(list(datasets.items())[:1])
-    default_conc = {"default": "1,8,32", "never-lose": "1,32", "verification": "1,4,16,64"}[args.suite]
+    default_conc = {"default": "1,8,32", "never-lose": "1,32", "verification": "1,4,16,64",
+                    "draft-vocab": "1,8,32"}[args.suite]
     conc = tuple(int(x) for x in (args.concurrency or default_conc).split(","))
     temps = tuple(float(x) for x in args.temperatures.split(","))
     if args.suite == "never-lose":
@@ -305,6 +309,8 @@ def main() -> int:
 
         configs = never_lose_configs(pair, str(never_accepted_drafter(pair.draft, cache_dir() / "bench" /
                                                                       "never-accepted")))
+    elif args.suite == "draft-vocab":
+        configs = draft_vocab_configs(pair)
     else:
         configs = standard_configs(pair) if args.suite == "default" else verification_configs(pair)
     if args.configs:
@@ -331,7 +337,7 @@ def main() -> int:
                             max_tokens=args.max_tokens, repeats=args.repeats, builds=args.builds,
                             prompts_per_cell=per_cell,
                             log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos,
-                            share=args.share_weights)
+                            share=args.share_weights, kv_cache_gib=args.kv_cache_gib)
     elif args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                                max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
