@@ -326,7 +326,7 @@ def test_probes_rotate_over_the_requests_within_their_caps():
     pol.feedback("probe", [([0.9] * 7, k, k, False) for k in (2, 2, 1, 2)])  # accepted, but not yet enough
     assert pol.plan(caps, sampled).rows == (0, 2, 3, 5)  # the next four, wrapping around
     pol.feedback("probe", [([0.9] * 7, k, 0, False) for k in (2, 2, 1, 2)])
-    assert pol.plan(caps, sampled) == B.SKIP and pol.period == 2  # rejected: the wait doubled
+    assert pol.plan(caps, sampled) == B.SKIP and pol.rhythm.period == 2  # rejected: the wait doubled
     assert B.Plan.from_wire(plan.to_wire()) == plan
 
 
@@ -337,7 +337,7 @@ def test_a_mode_nothing_has_measured_is_probed_when_it_joins():
         plan = pol.plan(caps, greedy)
         kept = pol.probe_kept(plan, caps) if plan.mode == "probe" else []
         pol.feedback(plan.mode, [([0.9] * 7, k, 0, False) for k in kept if k])
-    assert pol.period >= 16 and pol.wait > 1, pol.report()
+    assert pol.rhythm.period >= 16 and pol.rhythm.wait > 1, pol.report()
     assert pol.plan(caps, greedy) == B.SKIP  # greedy requests alone keep waiting
     caps6, mixed = [7] * 6, np.array([False, True, False, False, True, False])  # two sampled requests join
     assert not pol.calibrator.measured(True)

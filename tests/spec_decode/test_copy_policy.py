@@ -61,11 +61,11 @@ def test_an_unproven_copy_is_probed_on_its_longest_matches():
 def test_probe_waits_double_on_rejection_and_halve_on_acceptance():
     _, cp = _policy(DEAR, probe_max_period=64)
     _teach(cp, 5, 2, 0, 1, kind=PlanMode.PROBE)
-    assert cp.period == 2 and cp.wait == 2
+    assert cp.rhythm.period == 2 and cp.rhythm.wait == 2
     _teach(cp, 5, 2, 0, 1, kind=PlanMode.PROBE)
-    assert cp.period == 4
+    assert cp.rhythm.period == 4
     _teach(cp, 5, 2, 2, 1, kind=PlanMode.PROBE)
-    assert cp.period == 2 and cp.counters["probes_accepted"] == 1
+    assert cp.rhythm.period == 2 and cp.counters["probes_accepted"] == 1
 
 
 def test_a_copy_proven_accepted_is_sent_by_the_allocation():

@@ -229,6 +229,40 @@ PROBE_BURST = 4.0
 DRAFT = Plan(PlanMode.DRAFT)
 
 
+class ProbeRhythm:
+    """How long a source waits between looks (probes, checks): ``period`` steps, doubled when a look
+    finds nothing to accept (up to ``longest``), halved when one is accepted (down to ``shortest``);
+    ``wait`` counts the steps left. The drafter's policy and the copy's each keep one."""
+
+    def __init__(self, shortest: int, longest: int):
+        self.shortest, self.longest = max(1, shortest), max(1, longest)
+        self.period = self.wait = self.shortest
+
+    def reset(self) -> None:
+        self.period = self.wait = self.shortest
+
+    def grow(self) -> None:
+        self.period = min(self.longest, self.period * 2)
+
+    def rejected(self) -> None:
+        """A look found nothing accepted: wait a doubled period."""
+        self.grow()
+        self.wait = self.period
+
+    def accepted(self) -> None:
+        """A look came back accepted: look again sooner."""
+        self.period = max(self.shortest, self.period // 2)
+        self.wait = min(self.wait, self.period)
+
+    def due(self) -> bool:
+        """Count one step; True (and a new wait begins) when the wait is over."""
+        self.wait -= 1
+        if self.wait > 0:
+            return False
+        self.wait = self.period
+        return True
+
+
 class BudgetPolicy:
     """The budget's decisions, step by step: draft, probe or skip; and which drafts to verify.
 
@@ -270,8 +304,7 @@ class BudgetPolicy:
         self.costs = costs
         self.margin = margin
         self.state = "waiting"
-        self.period = max(1, t.probe_period)
-        self.wait = self.period
+        self.rhythm = ProbeRhythm(t.probe_period, t.probe_max_period)
         self.wait_batch = 0
         self.reject_steps = 0
         self.surprise = 0.0  # -log P(the current run of rejections) under the measured acceptance
@@ -305,16 +338,14 @@ class BudgetPolicy:
         accepted_any = any(f.accepted > 0 for f in seen)
         t = self.trust
         if kind == PlanMode.PROBE:
-            if accepted_any:  # the probe came back accepted: look again sooner
+            if accepted_any:
                 self.counters["probes_accepted"] += 1
-                self.period = max(max(1, t.probe_period), self.period // 2)
-                self.wait = min(self.wait, self.period)
+                self.rhythm.accepted()
                 if self.state == "blocked":
-                    self.state, self.wait = "waiting", 1
+                    self.state, self.rhythm.wait = "waiting", 1
                     self.counters["unblocks"] += 1
-            else:  # the probe came back rejected (its feedback arrives the step after it): wait longer
-                self.period = min(max(1, t.probe_max_period), self.period * 2)
-                self.wait = self.period
+            else:  # (a probe's feedback arrives the step after it)
+                self.rhythm.rejected()
         elif kind == PlanMode.DRAFT:
             if accepted_any:
                 self.reject_steps, self.surprise = 0, 0.0
@@ -326,8 +357,7 @@ class BudgetPolicy:
             run_over = self.reject_steps >= t.reject_run or self.surprise >= STOP_SURPRISE
             if t.reject_run > 0 and run_over and self.state != "blocked":
                 self.state, self.reject_steps, self.surprise = "blocked", 0, 0.0
-                self.period = max(1, t.probe_period)
-                self.wait = self.period
+                self.rhythm.reset()
                 self.counters["stops"] += 1
 
     # -------------------------------------------------------------- decisions
@@ -339,9 +369,6 @@ class BudgetPolicy:
     def _pays(self, surv: np.ndarray, caps: Sequence[int]) -> bool:
         assert self.costs is not None
         return allocate(surv, caps, self.costs, margin=self.margin).draft_pays
-
-    def _grow(self) -> None:
-        self.period = min(max(1, self.trust.probe_max_period), self.period * 2)
 
     def plan(self, caps: Sequence[int], sampled: np.ndarray) -> Plan:
         """The next step's plan (called after :meth:`feedback`)."""
@@ -357,18 +384,17 @@ class BudgetPolicy:
             if self.draft_pays_next:
                 return DRAFT
             self.state = "waiting"  # the allocation's forecast says the next drafting step will not pay
-            self._grow()
-            self.wait, self.wait_batch = self.period, r
+            self.rhythm.rejected()
+            self.wait_batch = r
         if self.wait_batch and not (self.wait_batch / 2 <= r <= self.wait_batch * 2):
-            self.wait = 0  # the load changed: look again now
+            self.rhythm.wait = 0  # the load changed: look again now
         fresh = self._fresh_rows(caps, sampled)
         if fresh and not self._fresh_present:
-            self.wait = 0  # a mode nothing has measured joined: the wait was earned by the other one
+            self.rhythm.wait = 0  # a mode nothing has measured joined: the wait was earned by the other one
         self._fresh_present = bool(fresh)
-        self.wait -= 1
-        if self.wait > 0:
+        if not self.rhythm.due():
             return SKIP
-        self.wait, self.wait_batch = self.period, r
+        self.wait_batch = r
         if self.state == "waiting":
             self.counters["full_checks"] += 1
             if self._pays(self.level_survival(sampled), caps):
@@ -410,8 +436,7 @@ class BudgetPolicy:
         if self.credit < 1.0:
             return SKIP
         if not self._pays(self.level_survival(sampled, optimistic=True), caps):
-            self._grow()
-            self.wait = self.period
+            self.rhythm.rejected()
             return SKIP
         self.credit -= 1.0
         rows = self._probe_rows(caps, fresh)
@@ -441,7 +466,7 @@ class BudgetPolicy:
         alloc = allocate(surv, caps, self.costs, margin=self.margin)
         self.draft_pays_next = alloc.draft_pays
         if alloc.draft_pays:
-            self.period = max(1, self.trust.probe_period)
+            self.rhythm.period = self.rhythm.shortest
         return alloc, [names[int(i)] for i in pick]
 
     def probe_kept(self, plan: Plan, caps: Sequence[int]) -> list[int]:
@@ -449,5 +474,6 @@ class BudgetPolicy:
         return [min(plan.tokens, int(c)) if i in rows else 0 for i, c in enumerate(caps)]
 
     def report(self) -> dict:
-        return {"state": self.state, "period": self.period, "wait": self.wait, "reject_steps": self.reject_steps,
+        return {"state": self.state, "period": self.rhythm.period, "wait": self.rhythm.wait,
+                "reject_steps": self.reject_steps,
                 "credit_probes": self.credit, **self.counters, "trust": dict(self.trust.__dict__)}

@@ -34,6 +34,7 @@ from vllm_dspark.spec_decode.common.budget import (
     Feedback,
     Plan,
     PlanMode,
+    ProbeRhythm,
     allocate,
     expected_tokens,
     survival,
@@ -48,8 +49,7 @@ class CopyPolicy:
     def __init__(self, policy: BudgetPolicy):
         self.policy = policy
         self.calibrator = policy.calibrator_of(COPY_SOURCE)
-        self.period = max(1, policy.trust.probe_period)
-        self.wait = self.period
+        self.rhythm = ProbeRhythm(policy.trust.probe_period, policy.trust.probe_max_period)  # its own
         self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only"), 0)
 
     # -------------------------------------------------------------- evidence
@@ -59,14 +59,11 @@ class CopyPolicy:
         seen = [f for f in results if f.verified > 0 and f.source == COPY_SOURCE]
         if not seen or kind is not PlanMode.PROBE:
             return
-        t = self.policy.trust
         if any(f.accepted > 0 for f in seen):
             self.counters["probes_accepted"] += 1
-            self.period = max(max(1, t.probe_period), self.period // 2)
-            self.wait = min(self.wait, self.period)
+            self.rhythm.accepted()
         else:
-            self.period = min(max(1, t.probe_max_period), self.period * 2)
-            self.wait = self.period
+            self.rhythm.rejected()
 
     # -------------------------------------------------------------- pieces
     def survival(self, conf: np.ndarray, lengths: Sequence[int], sampled: np.ndarray, *,
@@ -90,10 +87,8 @@ class CopyPolicy:
         """A probe's kept list (all zero when no probe is due or could pay)."""
         r = len(caps)
         none = [0] * r
-        self.wait -= 1
-        if self.wait > 0:
+        if not self.rhythm.due():
             return none
-        self.wait = self.period
         t = self.policy.trust
         if t.probe_tokens <= 0 or t.probe_requests <= 0:
             return none
@@ -101,8 +96,7 @@ class CopyPolicy:
         eff = [int(c) if f else 0 for c, f in zip(caps, free, strict=True)]
         assert self.policy.costs is not None
         if sum(allocate(opt, eff, self.policy.costs, extra_tokens=extra).kept) == 0:
-            self.period = min(max(1, t.probe_max_period), self.period * 2)
-            self.wait = self.period
+            self.rhythm.rejected()
             return none
         # The longest matches first (their confidence ranks them), ties by row.
         rows = [i for i in np.argsort(-np.asarray(conf)[:, 0], kind="stable").tolist() if eff[i] > 0]
@@ -176,5 +170,5 @@ class CopyPolicy:
         return Plan(model.mode, model.rows, model.tokens, (MODEL_SOURCE, COPY_SOURCE), tuple(kept), PlanMode.PROBE)
 
     def report(self) -> dict:
-        return {"period": self.period, "wait": self.wait, **self.counters,
+        return {"period": self.rhythm.period, "wait": self.rhythm.wait, **self.counters,
                 "calibration": self.calibrator.table()}
