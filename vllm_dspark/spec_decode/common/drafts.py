@@ -32,6 +32,7 @@ runners only ever call :meth:`MarkovStage.draft` or :meth:`MarkovStage.draft_int
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -145,6 +146,9 @@ class MarkovStage:
     def __init__(self, weights: MarkovWeights, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
         self.weights = weights
         self.compute_logits = compute_logits
+        # (part, since) -> now: the caller's clock for the parts of draft() (V1's timings); none by default.
+        # Host time: on a GPU the parts would be launch times unless the clock synchronises.
+        self.lap: Callable[[str, float], float] = _no_lap
         self.head: VanillaHead = make_head(weights)
         self.vocab: IdentityVocab | DraftVocab = (
             IdentityVocab(weights.vocab) if weights.d2t is None else DraftVocab(weights.d2t, weights.target_vocab))
@@ -156,18 +160,24 @@ class MarkovStage:
         """From the backbone's rows ``hidden`` [num_rows * n, H]: the base logits [num_rows, n, V]
         (trimmed to the head's vocabulary: vLLM may pad its LM head) and, when asked, the
         confidence head's hidden-state term [num_rows, n] fp32."""
+        base = self.base_logits(hidden, num_rows, n)
+        return base, (self.confidence_base(hidden, num_rows, n) if with_confidence else None)
+
+    def base_logits(self, hidden: torch.Tensor, num_rows: int, n: int) -> torch.Tensor:
+        """The LM head's logits [num_rows, n, V] (trimmed to the Markov head's vocabulary)."""
         base = self.compute_logits(hidden)  # [R * N, V']
         vocab = self.weights.vocab
         if base.shape[-1] < vocab:
             raise RuntimeError(f"vllm_dspark: draft logits have {base.shape[-1]} columns but the Markov head "
                                f"has {vocab} rows")
-        base = base[:, :vocab].reshape(num_rows, n, vocab)
-        if not with_confidence:
-            return base, None
+        return base[:, :vocab].reshape(num_rows, n, vocab)
+
+    def confidence_base(self, hidden: torch.Tensor, num_rows: int, n: int) -> torch.Tensor:
+        """The confidence head's hidden-state term [num_rows, n] fp32."""
         conf = self.weights.confidence_base(hidden)
         if conf is None:
             raise RuntimeError("vllm_dspark: confidences were asked for, but the draft has no confidence head")
-        return base, conf.view(num_rows, n)
+        return conf.view(num_rows, n)
 
     # ------------------------------------------------------------------ drafting
     def greedy(self, base: torch.Tensor, anchors: torch.Tensor, conf_base: torch.Tensor | None, *,
@@ -208,7 +218,11 @@ class MarkovStage:
         r, n = len(rows), batch.num_tokens
         assert batch.hidden is not None, "the Markov stage drafts from the backbone's hidden rows"
         w = self.weights
-        base, conf_base = self.inputs(batch.hidden, r, n, with_confidence=w.conf_w_hidden is not None)
+        t = time.perf_counter()
+        base = self.base_logits(batch.hidden, r, n)
+        t = self.lap("stage.lm_head", t)
+        conf_base = self.confidence_base(batch.hidden, r, n) if w.conf_w_hidden is not None else None
+        t = self.lap("stage.confidence", t)
         sel = torch.tensor(rows, dtype=torch.int64)
         anchors = batch.anchors[sel.to(batch.anchors.device)].to(torch.int64)
         is_sampled = torch.from_numpy(np.asarray(batch.sampled, dtype=bool)[rows].copy())
@@ -222,6 +236,7 @@ class MarkovStage:
             tokens[idx], conf[idx], self.last_path = self.greedy(
                 base[idx], anchors[idx], None if conf_base is None else conf_base[idx],
                 hidden=None if hidden is None else hidden[idx.to(hidden.device)])
+            t = self.lap("stage.markov_op", t)
         if bool(is_sampled.any()):
             idx = is_sampled.nonzero().flatten()
             batch_idx = sel[idx]
@@ -235,33 +250,42 @@ class MarkovStage:
             tokens[idx], conf[idx] = t_s, c_s
             probs = torch.zeros(r, n, self.vocab.size, dtype=torch.float32, device=base.device)
             probs[idx] = q_s
+            self.lap("stage.sampled", t)
         return Drafts(tokens, conf, probs, self.name, self.last_path)
 
     def draft_into(self, base: torch.Tensor, anchors: torch.Tensor, conf_base: torch.Tensor | None,
                    temperature: torch.Tensor, seeds: torch.Tensor, out_tokens: torch.Tensor,
                    out_conf: torch.Tensor, out_logits: torch.Tensor | None, *,
-                   op: Callable[..., Any] | None = None) -> None:
-        """One op call writing into preallocated outputs (V2's CUDA-graph path: no allocation of its
-        own, no host sync). Greedy and sampled rows alike: the op draws sampled rows by Gumbel noise,
-        and ``out_logits`` gets the corrected logits the rejection sampler's q is made from.
+                   hidden: torch.Tensor | None = None, op: Callable[..., Any] | None = None) -> None:
+        """One op call writing into preallocated outputs (V2's CUDA-graph path: no host sync, no
+        tensor-value-dependent branch). Greedy and sampled rows alike: the op draws sampled rows by
+        Gumbel noise, and ``out_logits`` gets the corrected logits the rejection sampler's q is made from.
 
         With a draft vocabulary ``out_tokens`` ends in target ids (mapped after the op by a gather
         into a temporary from the caching allocator: still no sync) but ``out_logits`` is
         [R, N, Vd], in draft ids: the caller maps what it makes from them (``self.vocab.q_to_target``
-        for a q). A gated or rnn head is refused here: this path has no hidden rows to hand the op
-        (V2 would otherwise draft it as vanilla, silently); ``MarkovStage.draft`` takes them."""
-        if self.head.needs_hidden:
-            raise NotImplementedError(f"vllm_dspark: the one-op path (draft_into, V2) does not take {self.head.kind} "
-                                      "heads: it has no hidden rows for them; this drafter is drafted through "
-                                      "MarkovStage.draft")
+        for a q, ``-inf`` outside the draft vocabulary for logits).
+
+        A gated or rnn head reads ``hidden`` [R, N, H], the backbone's rows of each block's
+        positions: its hidden part is computed here for every position at once (``head.op_args``)
+        and the op runs the token-dependent part, as :meth:`greedy` does. Without ``hidden`` such a
+        head is refused (``ValueError``) rather than drafted as vanilla."""
         if op is None:
             op = torch.ops.vllm_dspark.markov_draft
         w = self.weights
         conf_w_markov = w.conf_w_markov if conf_base is not None else None
         args = (base, anchors, w.markov_w1, w.markov_w2, self.head.row_norms, conf_base, conf_w_markov,
                 temperature, seeds, out_tokens, out_conf, out_logits, None, self.head.max_norms)
-        if self.vocab.d2t is None:
+        head_args: tuple = ()
+        if self.head.needs_hidden:
+            head_args = self.head.op_args(hidden)  # type: ignore[attr-defined]
+        if self.vocab.d2t is None and not head_args:
             op(*args)  # the pre-d2t schema: stand-ins written for it keep working
             return
-        op(*args, self.vocab.d2t)
-        out_tokens.copy_(self.vocab.to_target(out_tokens))
+        op(*args, self.vocab.d2t, *head_args)
+        if self.vocab.d2t is not None:
+            out_tokens.copy_(self.vocab.to_target(out_tokens))
+
+
+def _no_lap(part: str, since: float) -> float:
+    return time.perf_counter()

@@ -26,7 +26,13 @@ recurrence in fp64, ``v`` rounded once to fp32, the bias ``fp32(fp64(v) @ fp64(W
 So the Python recurrence (sampled rows, the fallback) and the op (greedy rows:
 :class:`~vllm_dspark.spec_decode.common.drafts.MarkovStage` drafts them with
 ``markov_draft``, path ``"compiled"``) compute one thing. V2's one-op path
-(``MarkovStage.draft_into``) still refuses these heads: it has no hidden rows.
+(``MarkovStage.draft_into``) takes them too, greedy and sampled rows alike, from the
+block's hidden rows its caller hands in (vLLM 0.33's ``sample_sequential`` hook gathers
+them from the backbone's output).
+
+Upstream vLLM's DSpark head has no ``gate_proj`` / ``joint_proj``: a loader takes them
+off the checkpoint's tensors itself and passes them to ``MarkovWeights.build``
+(:func:`projection_args`).
 """
 
 from __future__ import annotations
@@ -159,6 +165,22 @@ class RnnHead(_HiddenHead):
 
 
 HEADS = {"vanilla": VanillaHead, "gated": GatedHead, "rnn": RnnHead}
+
+# A head projection's checkpoint tensor (canonical name) -> its MarkovWeights.build argument.
+PROJECTION_TENSORS = {"markov_head.gate_proj.weight": "gate_weight", "markov_head.gate_proj.bias": "gate_bias",
+                      "markov_head.joint_proj.weight": "joint_weight", "markov_head.joint_proj.bias": "joint_bias"}
+
+
+def projection_args(head_type: str, tensors: dict[str, torch.Tensor],
+                    device: torch.device | str | None = None) -> dict:
+    """``MarkovWeights.build``'s head arguments from the checkpoint's projection tensors
+    (``tensors``: canonical name -> tensor, the :data:`PROJECTION_TENSORS` names), moved to
+    ``device``. All are passed whatever ``head_type`` says, so ``build`` refuses a missing, stray
+    or misshapen one by name."""
+    out: dict = {"markov_head_type": head_type}
+    for name, t in tensors.items():
+        out[PROJECTION_TENSORS[name]] = t if device is None else t.to(device=device)
+    return out
 
 
 def make_head(weights: MarkovWeights) -> VanillaHead:
