@@ -32,17 +32,24 @@ def expose_dspark_keys(hf_config, *, allow_no_markov: bool) -> None:
 
 
 def check_v2_head(hf_config) -> None:
-    """Refuse a gated or rnn Markov head on vLLM 0.33's V2 path (after :func:`expose_dspark_keys`).
+    """Refuse, on vLLM 0.33's V2 path, a Markov head this plugin can't serve there (after :func:`expose_dspark_keys`).
 
-    Upstream's DSpark speculator builds and applies a vanilla head whatever
-    ``markov_head_type`` says, and the one-op path this plugin puts in its
-    sequential stage (``MarkovStage.draft_into``) has no hidden rows to hand
-    the op a gated or rnn head: such a drafter would load and draft with the
-    wrong bias. The V1 runner serves these heads.
+    Upstream's DSpark speculator and draft model know the vanilla head only: they neither load
+    ``markov_head.gate_proj`` / ``joint_proj`` nor apply them. A gated or rnn head is served by the
+    plugin's ``sample_sequential`` hook alone (the Markov draft op with the head's arguments, from
+    the block's hidden rows), so wherever upstream would draft instead, it would draft with the
+    wrong bias. Refused here, from the config: a head type other than vanilla, gated and rnn, and
+    a gated or rnn head with ``dspark_draft_topk`` (top-k gathered drafting: upstream's speculator
+    then never calls the hook). What only the loaded weights or the engine's config tell (no
+    compiled kernel, quantized Markov weights, a watermarker ...) is refused by the V2 model at
+    construction or load (``spec_decode/v2/model.py``), never left to upstream's loop.
     """
     head = getattr(hf_config, "markov_head_type", None) or "vanilla"
-    if head != "vanilla":
-        raise ValueError(f"vllm_dspark: markov_head_type {head!r}: a {head} Markov head is not served on vLLM "
-                         "0.33's V2 path (upstream's DSpark speculator and the Markov op apply vanilla heads "
-                         "only); serve this drafter with vLLM 0.32's V1 runner, which drafts gated and rnn "
-                         "heads")
+    if head not in ("vanilla", "gated", "rnn"):
+        raise ValueError(f"vllm_dspark: markov_head_type {head!r}: not a Markov head this plugin serves "
+                         "(vanilla, gated, rnn)")
+    if head != "vanilla" and getattr(hf_config, "dspark_draft_topk", None) is not None:
+        raise ValueError(f"vllm_dspark: markov_head_type {head!r} with dspark_draft_topk: vLLM 0.33's top-k "
+                         "gathered drafting never calls the plugin's Markov stage, and upstream's applies a "
+                         f"vanilla head, not a {head} one; unset dspark_draft_topk, or serve this drafter "
+                         "with vLLM 0.32's V1 runner")
