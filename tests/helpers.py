@@ -179,34 +179,49 @@ def tiny_pair(root: Path, *, vocab: int = VOCAB, seed: int = 3, target: dict | N
     return TinyPair(str(tdir), str(ddir), bigram, draft_bigram, cfg, root)
 
 
-def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0,
-                 backbone_scale: float = 0.0) -> tuple[Path, Any]:
-    """An oracle drafter of the session pair's target (it knows the whole bigram table), saved in SpecForge's
-    layout and re-saved in ``layout``: ``"deepspec"`` (flat keys, target copies of embed_tokens / lm_head) or
-    ``"speculators"`` (1 + N layout, a draft vocabulary of the target ids the table uses plus end-of-sequence,
-    ``d2t`` shifted by ``shift`` draft ids when asked). Returns (its directory, the draft vocabulary's target
-    ids or None)."""
+def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0, backbone_scale: float = 0.0,
+                 head: str = "vanilla") -> tuple[Path, Any]:
+    """An exact oracle drafter of the session pair's target (the whole bigram table, Markov rank = the
+    vocabulary, a ``head`` Markov head passing it through), saved in SpecForge's layout and re-saved in
+    ``layout``: ``"specforge"`` (as it is), ``"deepspec"`` (flat keys, target copies of embed_tokens /
+    lm_head), ``"specforge-vocab"`` (SpecForge's layout with a draft vocabulary) or ``"speculators"``
+    (1 + N layout, a draft vocabulary, ``d2t`` shifted by ``shift`` draft ids when asked). A draft
+    vocabulary holds the target ids the table uses plus end-of-sequence. Returns (its directory, the
+    draft vocabulary's target ids or None)."""
     import torch
 
-    from vllm_dspark.tools.tiny_pair import TOKEN_IDS, make_drafter, to_deepspec_layout, to_speculators_layout
+    from vllm_dspark.tools.tiny_pair import (
+        TOKEN_IDS,
+        make_drafter,
+        to_deepspec_layout,
+        to_specforge_draft_vocab,
+        to_speculators_layout,
+    )
 
-    src = make_drafter(root / "specforge", pair["config"], mode="oracle", bigram=pair["bigram"], seed=5,
+    cfg = pair["config"].replace(markov_rank=pair["config"].vocab_size, markov_head_type=head)
+    src = make_drafter(root / "specforge", cfg, mode="oracle", bigram=pair["bigram"], seed=5,
                        backbone_scale=backbone_scale)
+    if layout == "specforge":
+        return src, None
     if layout == "deepspec":
         return to_deepspec_layout(src, root / layout, target=pair["target"]), None
     ids = torch.unique(torch.cat([pair["bigram"], torch.tensor([TOKEN_IDS["eos"]])]))
+    if layout == "specforge-vocab":
+        return to_specforge_draft_vocab(src, root / layout, target=pair["target"], draft_ids=ids), ids
     return to_speculators_layout(src, root / layout, target=pair["target"], draft_ids=ids, shift=shift,
                                  sample_from_anchor=False), ids
 
 
-def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
+def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]], trace: Path | None = None
+                     ) -> tuple[list[list[int]], dict]:
     """Greedy answers of ``target`` with ``draft`` verifying every draft (``verification: fixed``), and
-    vLLM's acceptance summary: (tokens per prompt, summary)."""
+    vLLM's acceptance summary: (tokens per prompt, summary). ``trace``: the proposer's trace file."""
     from vllm import SamplingParams
 
     from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
 
-    spec = {"method": "dspark", "model": str(draft), "dspark": {"verification": "fixed"}}
+    spec = {"method": "dspark", "model": str(draft),
+            "dspark": {"verification": "fixed", **({"trace": str(trace)} if trace else {})}}
     with llm_engine(target, speculative_config=spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

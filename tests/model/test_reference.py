@@ -137,6 +137,24 @@ def test_oracle_checkpoint_from_tiny_follows_its_bigram(tmp_path):
     assert torch.equal(out.tokens, expected)
 
 
+@pytest.mark.parametrize("head", ["vanilla", "gated", "rnn"])
+def test_an_exact_oracle_drafts_its_table_through_every_head(tmp_path, head):
+    # Markov rank = the vocabulary: one basis vector per token, no crosstalk; the gated head's gate is
+    # open and the rnn's output reads the token alone (tiny_pair._open_head). The engine tests' oracle
+    # pairs rely on this to be accepted almost always.
+    from vllm_dspark.checkpoint.io import load_reference_model
+
+    cfg = tiny_config(markov_rank=tiny_config().vocab_size, markov_head_type=head)
+    v = cfg.vocab_size
+    table = random_bigram(v, seed=3, allowed=v)
+    model = load_reference_model(make_drafter(tmp_path / head, cfg, mode="oracle", bigram=table, seed=4,
+                                              backbone_scale=0.05))
+    aux, embed, lm = _inputs(cfg, n=v)
+    out = _draft(model, aux, embed, lm, anchors=torch.arange(v))
+    expected = torch.tensor([bigram_chain(table, a, cfg.block_size) for a in range(v)])
+    assert torch.equal(out.tokens, expected)
+
+
 # ---------------------------------------------------------------- confidence head
 def test_confidence_uses_the_previous_tokens_markov_embedding():
     cfg = tiny_config()

@@ -163,7 +163,9 @@ def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random"
     keep the tokens on the bigram while the confidence head, whose hidden part is
     scaled up to match, still depends on every backbone weight);
     ``confidence_by_prev`` ([V] probabilities) instead sets each position's
-    confidence from its previous token alone.
+    confidence from its previous token alone. A gated or rnn head passes the
+    table through (:func:`_open_head`); with ``markov_rank`` >= the vocabulary
+    the table is exact.
     """
     g = torch.Generator().manual_seed(seed)
     model = random_drafter(config, generator=g, scale=scale)
@@ -172,11 +174,16 @@ def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random"
             if bigram is None or model.markov_head is None:
                 raise ValueError("oracle mode needs a bigram table and markov_rank > 0")
             model.norm.weight.fill_(backbone_scale)
-            u = _unit_rows(config.vocab_size, config.markov_rank, g)
+            v, r = config.vocab_size, config.markov_rank
+            # With rank >= vocabulary, one basis vector per token: the table is exact (random rows in
+            # fewer dimensions leak a little of every row into every other, enough to map a few tokens
+            # wrongly), and an elementwise map of a row (the rnn head's tanh) keeps the rows apart.
+            u = torch.eye(v, r) if r >= v else _unit_rows(v, r, g)
             model.markov_head.markov_w1.weight.copy_(u)
             w2 = torch.zeros(config.vocab_size, config.markov_rank)
             w2.index_add_(0, bigram, u)  # bias[bigram[x]] gets <u_x, u_x> = 1
             model.markov_head.markov_w2.weight.copy_(w2 * 8.0)
+            _open_head(model.markov_head, config.markov_rank)
             if model.confidence_head is not None:
                 h = config.hidden_size
                 w = model.confidence_head.proj.weight
@@ -200,6 +207,19 @@ def make_drafter(path: str | Path, config: DSparkConfig, *, mode: str = "random"
     if legacy_names:
         _rename_to_legacy(out)
     return out
+
+
+def _open_head(head, rank: int) -> None:
+    """An oracle's gated or rnn head passes the table through: the gate open (sigmoid(8)), the rnn's
+    output ``tanh(3 e)`` read from the token alone (its state and the hidden rows weigh nothing)."""
+    gate, joint = getattr(head, "gate_proj", None), getattr(head, "joint_proj", None)
+    if gate is not None:
+        gate.weight.zero_()
+        gate.bias.fill_(8.0)
+    if joint is not None:  # rows [a ; c ; o], columns [s ; e ; h]
+        joint.weight.zero_()
+        joint.bias.zero_()
+        joint.weight[2 * rank:, rank:2 * rank] = 3.0 * torch.eye(rank)
 
 
 def _rename_to_legacy(path: Path) -> None:
@@ -287,6 +307,40 @@ def to_deepspec_layout(src: str | Path, dst: str | Path, *, target: str | Path,
     return _write_layout(Path(dst), config, tensors)
 
 
+def _draft_vocab_tensors(src: str | Path, cfg: DSparkConfig, target: str | Path, draft_ids, shift: int,
+                         caller: str) -> tuple[dict[str, torch.Tensor], int]:
+    """The drafter's tensors with a draft vocabulary of ``draft_ids`` (see :func:`to_speculators_layout`)."""
+    from safetensors.torch import load_file
+
+    ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(-1)
+    if ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()):
+        raise ValueError(f"{caller}: draft_ids must be non-empty, sorted and distinct")
+    vd = int(ids.numel())
+    mapped = torch.roll(ids, -shift) if shift else ids
+    tensors = dict(load_file(str(Path(src) / "model.safetensors")))
+    head = _target_tensor(Path(target), "lm_head.weight", "model.embed_tokens.weight")
+    tensors["lm_head.weight"] = head[ids].to(tensors["norm.weight"].dtype)
+    w2 = "markov_head.markov_w2.weight"
+    if w2 in tensors:
+        tensors[w2] = tensors[w2][ids]
+    tensors["d2t"] = mapped - torch.arange(vd, dtype=torch.int64)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[mapped] = True
+    tensors["t2d"] = t2d
+    return tensors, vd
+
+
+def to_specforge_draft_vocab(src: str | Path, dst: str | Path, *, target: str | Path, draft_ids) -> Path:
+    """Re-save a SpecForge-layout drafter with a draft vocabulary of ``draft_ids``, still in SpecForge's
+    layout (``dflash_config``, top-level ``draft_vocab_size``; ``lm_head`` [Vd, H], ``markov_w2`` [Vd, r],
+    ``d2t`` offsets and ``t2d`` as :func:`to_speculators_layout` writes them)."""
+    cfg = DSparkConfig.from_json(src)
+    tensors, vd = _draft_vocab_tensors(src, cfg, target, draft_ids, 0, "to_specforge_draft_vocab")
+    config = json.loads((Path(src) / "config.json").read_text())
+    config["draft_vocab_size"] = vd
+    return _write_layout(Path(dst), config, tensors)
+
+
 def to_speculators_layout(src: str | Path, dst: str | Path, *, target: str | Path, draft_ids,
                           shift: int = 0, sample_from_anchor: bool | None = None) -> Path:
     """Re-save a SpecForge-layout drafter as a vllm-project/speculators DSpark checkpoint with a draft vocabulary.
@@ -304,25 +358,9 @@ def to_speculators_layout(src: str | Path, dst: str | Path, *, target: str | Pat
     ``sample_from_anchor``: the layout to declare (None: the source's); it is written only when
     true, since speculators reads its absence as false (the 1 + N layout, block - 1 drafts).
     """
-    from safetensors.torch import load_file
-
     cfg = DSparkConfig.from_json(src)
     anchor = cfg.sample_from_anchor if sample_from_anchor is None else sample_from_anchor
-    ids = torch.as_tensor(draft_ids, dtype=torch.int64).reshape(-1)
-    if ids.numel() == 0 or not bool((ids[1:] > ids[:-1]).all()):
-        raise ValueError("to_speculators_layout: draft_ids must be non-empty, sorted and distinct")
-    vd = int(ids.numel())
-    mapped = torch.roll(ids, -shift) if shift else ids
-    tensors = dict(load_file(str(Path(src) / "model.safetensors")))
-    head = _target_tensor(Path(target), "lm_head.weight", "model.embed_tokens.weight")
-    tensors["lm_head.weight"] = head[ids].to(tensors["norm.weight"].dtype)
-    w2 = "markov_head.markov_w2.weight"
-    if w2 in tensors:
-        tensors[w2] = tensors[w2][ids]
-    tensors["d2t"] = mapped - torch.arange(vd, dtype=torch.int64)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[mapped] = True
-    tensors["t2d"] = t2d
+    tensors, vd = _draft_vocab_tensors(src, cfg, target, draft_ids, shift, "to_speculators_layout")
     tensors["embed_tokens.weight"] = _target_tensor(Path(target), "model.embed_tokens.weight")
     config = {"architectures": ["Qwen3DSparkModel"], "speculators_model_type": "dspark",
               "transformer_layer_config": _backbone_dict(cfg), "torch_dtype": cfg.dtype,
