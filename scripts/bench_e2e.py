@@ -82,6 +82,9 @@ def breakdown(r: dict) -> dict | None:
             "drafter_forward_ms": 1e3 * (t["layout"] + t["block_forward"] + t["context_kv_only"]
                                          + t.get("held", 0.0) + t.get("context_flush", 0.0)) / steps,
             "markov_stage_ms": 1e3 * t["markov_stage"] / steps,
+            # Parts of the stage (records before the proposer timed them have none).
+            "lm_head_ms": 1e3 * t.get("stage.lm_head", 0.0) / steps,
+            "markov_op_ms": 1e3 * t.get("stage.markov_op", 0.0) / steps,
             "python_overhead_ms": 1e3 * (t["feedback"] + t["verify"]) / steps}
 
 
@@ -106,13 +109,14 @@ def _ms(x) -> str:
 
 def breakdown_table(rows: list[dict]) -> str:
     lines = ["| dataset | config | C | T | steps | target step ms | drafter fwd ms | Markov stage ms | "
-             "proposer overhead ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "of which LM head / op ms | proposer overhead ms |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = breakdown(r)
         if b:
             lines.append(f"| {r['dataset']} | {r['config']} | {r['concurrency']} | {r['temperature']:g} | "
                          f"{b['steps']} | {_ms(b['target_step_ms'])} | {b['drafter_forward_ms']:.1f} | "
-                         f"{b['markov_stage_ms']:.1f} | {b['python_overhead_ms']:.2f} |")
+                         f"{b['markov_stage_ms']:.1f} | {b['lm_head_ms']:.2f} / {b['markov_op_ms']:.2f} | "
+                         f"{b['python_overhead_ms']:.2f} |")
     return "\n".join(lines)
 
 

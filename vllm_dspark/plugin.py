@@ -58,6 +58,9 @@ def register() -> None:
         ModelRegistry.register_model("Qwen3DSparkModel",
                                      "vllm_dspark.spec_decode.v2.model:DSparkV2DraftModel")
     _declare_env_vars()
+    from vllm_dspark.serving import metrics
+
+    metrics.register_collector()  # the per-source acceptance pair on /metrics
     _install_cli_excepthook()
     share_vllm_logging()
     _state["pid"] = os.getpid()
@@ -67,9 +70,9 @@ def register() -> None:
 
 
 # The plugin's own variables besides the settings table's (build, cache, test and process switches).
-OWN_ENV_VARS = ("VLLM_DSPARK_CACHE", "VLLM_DSPARK_NO_CUDA", "VLLM_DSPARK_NO_EXT", "VLLM_DSPARK_PRELOADED",
-                "VLLM_DSPARK_CHECKOUT_OR_WHEEL", "VLLM_DSPARK_TEST_DIVERGENCE", "VLLM_DSPARK_TRAIN_BF16",
-                "VLLM_DSPARK_DEMO_CHILD")
+OWN_ENV_VARS = ("VLLM_DSPARK_CACHE", "VLLM_DSPARK_METRICS_DIR", "VLLM_DSPARK_NO_CUDA", "VLLM_DSPARK_NO_EXT",
+                "VLLM_DSPARK_PRELOADED", "VLLM_DSPARK_CHECKOUT_OR_WHEEL", "VLLM_DSPARK_TEST_DIVERGENCE",
+                "VLLM_DSPARK_TRAIN_BF16", "VLLM_DSPARK_DEMO_CHILD")
 
 
 def env_var_names() -> list[str]:

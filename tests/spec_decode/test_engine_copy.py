@@ -24,7 +24,13 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
+from vllm_dspark.tools.bench.engine import (
+    acceptance_summary,
+    dspark_report,
+    llm_engine,
+    source_metrics,
+    spec_metrics,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -51,19 +57,30 @@ def copy_run(qwen_pair, prompts, tmp_path_factory):
             "dspark": {"verification": "budget", "costs": CHEAP_VERIFY, "copy": "auto", "copy_shared": 4096,
                        "trace": str(trace)}}
     with llm_engine(qwen_pair["target"], speculative_config=spec) as llm:
+        earlier = source_metrics(llm)  # the session's earlier engines of this target, in this process's registry
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
         greedy = [list(o.outputs[0].token_ids) for o in outs], spec_metrics(llm), dspark_report(llm)
+        published = _minus(source_metrics(llm), earlier)  # the report above published this engine's counts
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=11 + i if i % 2 else None,
                                  ignore_eos=True) for i in range(8)]
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:8]], params)
         sampled = [list(o.outputs[0].token_ids) for o in outs], dspark_report(llm)
     records = [json.loads(line) for line in trace.read_text().splitlines()]
-    return greedy, sampled, records
+    return greedy, sampled, records, published
+
+
+def _minus(after: dict, before: dict) -> dict:
+    out = {s: {k: v - before.get(s, {}).get(k, 0) for k, v in c.items()} for s, c in after.items()}
+    return _nonzero(out)
+
+
+def _nonzero(per_source: dict) -> dict:
+    return {s: dict(c) for s, c in per_source.items() if any(c.values())}
 
 
 def test_greedy_copies_are_lossless_and_accepted(copy_run, qwen_baseline):
-    (tokens, metrics, report), _, _ = copy_run
+    (tokens, metrics, report), *_ = copy_run
     assert tokens == qwen_baseline
     by = report["stats"]["by_source"]
     assert by.get("dspark", {}).get("accepted", 0) == 0, by  # the wrong drafter: never accepted
@@ -79,7 +96,7 @@ def test_greedy_copies_are_lossless_and_accepted(copy_run, qwen_baseline):
 
 
 def test_steps_with_copies_only_skip_the_drafters_forward(copy_run):
-    (_, _, report), _, records = copy_run
+    (_, _, report), _, records, _ = copy_run
     st = report["stats"]
     drafted = [r for r in records if "draft" in r and r["kept"] > 0]
     copied_steps = {r["step"] for r in drafted if r["source"] == "copy"}
@@ -97,7 +114,7 @@ def test_steps_with_copies_only_skip_the_drafters_forward(copy_run):
 
 
 def test_sampled_requests_copy_too(copy_run):
-    (_, _, greedy), (tokens, report), records = copy_run
+    (_, _, greedy), (tokens, report), records, _ = copy_run
     assert all(len(t) == MAX_TOKENS and all(0 <= x < VOCAB for x in t) for t in tokens)
     before, after = greedy["stats"]["by_source"]["copy"], report["stats"]["by_source"]["copy"]
     assert after["verified"] > before["verified"], (before, after)
@@ -110,3 +127,12 @@ def test_sampled_requests_copy_too(copy_run):
     src_before, src_after = greedy["copy"]["source"], report["copy"]["source"]
     assert src_after["from_shared"] > src_before["from_shared"], (src_before, src_after)
     assert src_after["shared"]["texts"] >= 16, src_after
+
+
+def test_metrics_carry_the_acceptance_of_each_source(copy_run):
+    # The engine core is another process: the counts reach this process's registry through the
+    # publishers' directory (serving/metrics.py), as they reach a server's /metrics.
+    (_, _, report), _, _, published = copy_run
+    by = report["stats"]["by_source"]
+    assert published["copy"]["accepted"] > 0, published
+    assert published == _nonzero(by), (published, by)

@@ -47,6 +47,7 @@ from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
 from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
+from vllm_dspark.serving.metrics import Publisher
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
 from vllm_dspark.spec_decode.common import budget
 from vllm_dspark.spec_decode.common.budget import Feedback, Plan, PlanMode
@@ -62,6 +63,12 @@ from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_tex
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
 
 logger = logging.getLogger("vllm_dspark")
+
+# Parts of the block forward and of the Markov stage (each also inside its phase's own total): the
+# attention metadata, the context K/V of the step's new tokens, the LM head, the confidence head, the
+# greedy rows' op, the sampled rows.
+PARTS = ("block.metadata", "block.context_kv", "stage.lm_head", "stage.confidence", "stage.markov_op",
+         "stage.sampled")
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,8 @@ class DSparkProposer(DFlashProposer):
             self.policy.costs = self.costs
         # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
         self.consensus = Consensus()
+        # Per-source acceptance for /metrics (serving/metrics.py), labelled as vLLM labels its own.
+        self.metrics = Publisher(model_name=str(getattr(vllm_config.model_config, "served_model_name", "") or ""))
         self._hook: dict | None = None  # the TP test's divergence hook, read once the TP group exists
         self.profile_info: dict | None = None
         seed = getattr(getattr(vllm_config, "model_config", None), "seed", None)
@@ -158,7 +167,7 @@ class DSparkProposer(DFlashProposer):
         # Seconds per phase, summed over steps (report(): where a step's time goes).
         self.timings: dict[str, float] = dict.fromkeys(
             ("outside_propose", "feedback", "held", "context_flush", "layout", "context_kv_only", "block_forward",
-             "markov_stage", "copy_source", "verify"), 0.0)
+             "markov_stage", "copy_source", "verify", *PARTS), 0.0)
         logger.info("vllm_dspark: DSpark proposer ready: %s", s.describe())
         note = s.context_note()
         if note:
@@ -266,9 +275,12 @@ class DSparkProposer(DFlashProposer):
 
     def _block_forward(self, num_query: int, sample_rows: torch.Tensor, block_cad, mm_embed_inputs):
         """The drafter's non-causal pass over every request's block: the sampled rows [R * N, H]."""
+        t = time.perf_counter()
         per_group, per_layer = self.build_per_group_and_layer_attn_metadata(block_cad)
         mode, num_input, across_dp = self._determine_batch_execution_and_padding(num_query)
+        t = self._lap("block.metadata", t)
         kwargs, slot_size = self.build_model_inputs_first_pass(num_query, num_input, mm_embed_inputs)
+        t = self._lap("block.context_kv", t)  # upstream stores this step's context K/V here
         with set_forward_context(per_layer, self.vllm_config, num_tokens=num_input,
                                  num_tokens_across_dp=across_dp, cudagraph_runtime_mode=mode,
                                  slot_mapping=self._get_slot_mapping(slot_size, block_cad.slot_mapping)):
@@ -574,6 +586,7 @@ class DSparkProposer(DFlashProposer):
             logits = getattr(self.model, "draft_logits", None)
             self._stage = MarkovStage(mw if self.settings.use_markov else mw.without_bias(),
                                       logits() if logits is not None else self.model.compute_logits)
+            self._stage.lap = self._lap
         return self._stage
 
     def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
@@ -630,6 +643,8 @@ class DSparkProposer(DFlashProposer):
                 f.write(json.dumps(r) + "\n")
 
     def _maybe_log(self) -> None:
+        if self.consensus.rank == 0:  # every rank counts the same acceptances; one publishes them
+            self.metrics.maybe_publish(lambda: self.stats.as_dict()["by_source"])
         interval = self.settings.stats_interval_s
         if interval <= 0:
             return
@@ -641,7 +656,10 @@ class DSparkProposer(DFlashProposer):
     def report(self) -> dict:
         """Counters, calibration and the cost model (for tests, benchmarks and ``collective_rpc``)."""
         c = self.costs
-        return {"stats": self.stats.as_dict(), "calibration": self.calibrator.table(),
+        stats = self.stats.as_dict()
+        if self.consensus.rank == 0:
+            self.metrics.maybe_publish(lambda: stats["by_source"], force=True)
+        return {"stats": stats, "calibration": self.calibrator.table(),
                 "timings_s": dict(self.timings),
                 "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
                                                  "scale_draft": c.scale_draft, "rebased": c.rebased,

@@ -57,6 +57,22 @@ def spec_metrics(llm) -> dict:
     return out
 
 
+def source_metrics(llm) -> dict[str, dict[str, int]]:
+    """The DSpark proposer's per-source counters on ``/metrics`` (``serving/metrics.py``), from
+    ``llm.get_metrics()``: {source: {drafts, verified, accepted}} for this engine's model name."""
+    from vllm_dspark.serving.metrics import FIELDS, NAMES
+
+    field_of = {NAMES[f][0]: f for f in FIELDS}
+    own = getattr(getattr(llm.llm_engine, "model_config", None), "served_model_name", None)
+    out: dict[str, dict[str, int]] = {}
+    for m in llm.get_metrics():
+        field = field_of.get(m.name)
+        if field is None or (own is not None and m.labels.get("model_name") != str(own)):
+            continue
+        out.setdefault(m.labels["source"], dict.fromkeys(FIELDS, 0))[field] = int(m.value)
+    return out
+
+
 def acceptance_summary(metrics: dict) -> dict:
     drafts = metrics.get("num_drafts", 0) or 0
     accepted = metrics.get("num_accepted_tokens", 0) or 0

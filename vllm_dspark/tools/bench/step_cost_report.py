@@ -16,7 +16,9 @@ from pathlib import Path
 
 PHASES = ("scheduler", "input_prep", "forward", "logits", "sampler", "rejection_sampler", "drafter", "draft_glue",
           "bookkeeping", "sample_other", "engine_other")
-DRAFTER_PARTS = ("feedback", "layout", "context_kv_only", "block_forward", "markov_stage", "verify")
+# The proposer's phases; the dotted names are parts of the phase before them (proposer.PARTS).
+DRAFTER_PARTS = ("feedback", "layout", "context_kv_only", "block_forward", "block.metadata", "block.context_kv",
+                 "markov_stage", "stage.lm_head", "stage.confidence", "stage.markov_op", "stage.sampled", "verify")
 # The phase split of a step: the target forward split by the profiler's operator classes (scaled to the
 # timed forward), everything else from the timers.
 COMBINED = ("gemm", "attention", "rope", "norms_elementwise", "aux_capture", "forward_python", "logits", "sampler",
