@@ -29,9 +29,10 @@ def resolve(*, opts=None, env=None, cfg=None):
                             served_context=4096, environ=env or {})
 
 
-def test_off_by_default_and_a_size_from_the_config_or_the_environment():
-    s = resolve()
-    assert s.draft_vocab is None and s.draft_vocab_table is None
+def test_auto_by_default_and_a_size_from_the_config_or_the_environment():
+    s = resolve()  # auto: no table beside "/d", so the whole vocabulary
+    assert s.draft_vocab is None and s.draft_vocab_table is None and s.draft_vocab_auto
+    assert s.source("draft_vocab").startswith("auto: off")
     s = resolve(opts={"draft_vocab": 40})
     assert s.draft_vocab == 40 and s.draft_vocab_table == f"/d/{FILE_NAME}"
     assert "drafter's directory" in s.source("draft_vocab_table") and "draft vocabulary 40" in s.describe()
@@ -40,14 +41,33 @@ def test_off_by_default_and_a_size_from_the_config_or_the_environment():
     assert s.source("draft_vocab") == "VLLM_DSPARK_DRAFT_VOCAB"
     assert resolve(opts={"draft_vocab": "off"}, env={"VLLM_DSPARK_DRAFT_VOCAB": "12"}).draft_vocab is None
     assert resolve(opts={"draft_vocab": 40}).to_dict()["draft_vocab"] == 40
+    assert not resolve(opts={"draft_vocab": 40}).draft_vocab_auto
+
+
+def test_auto_takes_the_table_beside_the_drafter_when_there_is_one(tmp_path):
+    from vllm_dspark.serving.settings_table import AUTO_DRAFT_VOCAB
+
+    cfg = tiny_config(max_position_embeddings=4096, vocab_size=4 * AUTO_DRAFT_VOCAB)
+
+    def auto(draft, **changes):
+        return resolve_settings(cfg.replace(**changes), draft=str(draft), dflash_config=None, spec_options=None,
+                                num_speculative_tokens=None, served_context=4096, environ={})
+
+    assert auto(tmp_path).draft_vocab is None  # no table yet
+    (tmp_path / FILE_NAME).write_text("{}")
+    s = auto(tmp_path)
+    assert (s.draft_vocab, s.draft_vocab_table) == (AUTO_DRAFT_VOCAB, str(tmp_path / FILE_NAME))
+    assert s.draft_vocab_auto and s.source("draft_vocab").startswith(f"auto: {AUTO_DRAFT_VOCAB}")
+    assert auto(tmp_path, draft_vocab_size=1000).draft_vocab is None  # its own vocabulary: no slicing
+    assert auto(tmp_path, vocab_size=AUTO_DRAFT_VOCAB).draft_vocab is None  # no smaller than the target's
 
 
 @pytest.mark.parametrize("value, needle", [
-    (0, "expected 'off' or a number N of draft tokens"),
-    (-3, "expected 'off' or a number N of draft tokens"),
+    (0, "expected 'auto', 'off' or a number N of draft tokens"),
+    (-3, "expected 'auto', 'off' or a number N of draft tokens"),
     ("half", "draft_vocab (speculative_config['dspark']['draft_vocab']): got 'half'"),
-    (True, "expected 'off' or a number N"),
-    (2.5, "expected 'off' or a number N"),
+    (True, "expected 'auto', 'off' or a number N"),
+    (2.5, "expected 'auto', 'off' or a number N"),
     (V, f"got {V}, but the vocabulary has {V} tokens; set 1 <= draft_vocab < {V}"),
     (10 * V, "set 1 <= draft_vocab"),
 ])

@@ -34,6 +34,7 @@ from typing import Any
 from vllm_dspark.checkpoint.token_frequency import FILE_NAME
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.serving.settings_table import (
+    AUTO_DRAFT_VOCAB,
     BY_NAME,
     SETTINGS,
     TRUST_NAMES,
@@ -47,6 +48,14 @@ ATTR = "dspark_settings"
 SPEC_KEY = "dspark"
 SPEC_KEYS = tuple(row.name for row in SETTINGS)
 __doc__ = (__doc__ or "").replace("{table}", docstring_table())
+
+
+def _auto_draft_vocab(cfg: DSparkConfig, table: str) -> int | None:
+    """``draft_vocab: auto``: :data:`AUTO_DRAFT_VOCAB` for a full-vocabulary drafter larger than it whose
+    frequency table is at hand; else None (the whole vocabulary)."""
+    if cfg.draft_vocab_size is not None or cfg.vocab_size <= AUTO_DRAFT_VOCAB or not Path(table).is_file():
+        return None
+    return AUTO_DRAFT_VOCAB
 
 
 def _default(name: str):
@@ -85,6 +94,7 @@ class DSparkSettings:
     # A serve-time draft vocabulary: its size (None: the target's whole vocabulary) and its table.
     draft_vocab: int | None = None
     draft_vocab_table: str | None = None
+    draft_vocab_auto: bool = False  # chosen by ``auto``: a head the slice cannot serve turns it off, not an error
     copy: str = _default("copy")  # "auto": the copy source drafts beside the drafter (budget only)
     copy_min_match: int = _default("copy_min_match")
     copy_shared: int | None = None  # tokens of recent requests' outputs the copy source indexes (None: off)
@@ -302,7 +312,12 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         problems.append(f"probe_max_period ({sources.get('probe_max_period', 'default')}): got "
                         f"{trust['probe_max_period']}, below probe_period {trust['probe_period']}; set it to at "
                         f"least probe_period")
-    draft_vocab, table = values.get("draft_vocab"), values.get("draft_vocab_table")
+    draft_vocab, table = values.get("draft_vocab", _default("draft_vocab")), values.get("draft_vocab_table")
+    vocab_auto = draft_vocab == "auto"
+    if vocab_auto:
+        draft_vocab = _auto_draft_vocab(cfg, str(table or Path(str(draft)) / FILE_NAME))
+        sources["draft_vocab"] = (f"auto: {draft_vocab} (a frequency table with the drafter)" if draft_vocab
+                                  else "auto: off (no frequency table, or the drafter has its own vocabulary)")
     if draft_vocab is not None:
         if cfg.draft_vocab_size is not None:
             problems.append(f"draft_vocab ({sources['draft_vocab']}): this drafter already has a draft vocabulary "
@@ -329,6 +344,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         probe_tokens=int(trust["probe_tokens"]), probe_period=int(trust["probe_period"]),
         probe_max_period=int(trust["probe_max_period"]), reject_run=int(trust["reject_run"]),
         draft_vocab=draft_vocab, draft_vocab_table=table if draft_vocab is not None else None,
+        draft_vocab_auto=vocab_auto,
         copy=values.get("copy", _default("copy")),
         copy_min_match=int(values.get("copy_min_match", _default("copy_min_match"))),
         copy_shared=values.get("copy_shared"),

@@ -74,13 +74,18 @@ def tokens_or_off(minimum: int) -> Callable[[Any, str, str], int | None]:
     return parse
 
 
-def size_or_off(value: Any, name: str, source: str) -> int | None:
-    """``off`` (None) or a number of tokens >= 1 (the upper bound, the target's vocabulary, is checked
-    when the checkpoint is known)."""
+AUTO_DRAFT_VOCAB = 8192  # draft_vocab: auto, when the drafter ships a frequency table (measured: README)
+
+
+def size_or_off(value: Any, name: str, source: str) -> int | str | None:
+    """``off`` (None), ``auto`` or a number of tokens >= 1 (the upper bound, the target's vocabulary, is
+    checked when the checkpoint is known)."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("off", "none", "")):
         return None
-    bad = DSparkSettingsError(f"{name} ({source}): got {value!r}, expected 'off' or a number N of draft tokens, "
-                              "1 <= N < the target's vocabulary size")
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    bad = DSparkSettingsError(f"{name} ({source}): got {value!r}, expected 'auto', 'off' or a number N of draft "
+                              "tokens, 1 <= N < the target's vocabulary size")
     if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
         raise bad
     try:
@@ -227,10 +232,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("copy_shared", "VLLM_DSPARK_COPY_SHARED", None, tokens_or_off(64), None, "off",
             "the copy source also copies from the outputs of recent requests (suffix decoding's cross-request "
             "index): this many tokens of them, oldest dropped first; a token count or `off`"),
-    Setting("draft_vocab", "VLLM_DSPARK_DRAFT_VOCAB", None, size_or_off, None, "off",
+    Setting("draft_vocab", "VLLM_DSPARK_DRAFT_VOCAB", None, size_or_off, "auto", "`auto`",
             "a full-vocabulary drafter drafts over the N most frequent tokens of `draft_vocab_table` only "
             "(its LM head and Markov stage score N rows instead of the target's V; lossless: a token outside "
-            "them is never proposed); N with 1 <= N < V, or `off`"),
+            f"them is never proposed); N with 1 <= N < V, `off`, or `auto`: {AUTO_DRAFT_VOCAB} when the drafter's "
+            "directory has a table (the bundled drafter does) and its LM head is a plain one, else off"),
     Setting("draft_vocab_table", "VLLM_DSPARK_DRAFT_VOCAB_TABLE", None, text, None,
             "`token_frequency.json` in the drafter's directory",
             "the token frequency table `draft_vocab` ranks by (`vllm-dspark vocab-table` builds one)"),

@@ -97,12 +97,14 @@ def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
 
 def draft_vocab_configs(pair: Pair, block: int = 7, sizes=(4096, 8192, 16384, 32768)) -> list[EngineConfig]:
     """Issue 31's comparison: the serve-time draft vocabulary at each size against the full one, every
-    draft verified (the acceptance a smaller vocabulary costs), and the budget's default beside both."""
-    out = [EngineConfig("no-spec"), EngineConfig("fixed-full", dspark_spec(pair.draft, block, verification="fixed"))]
+    draft verified (the acceptance a smaller vocabulary costs), and the budget's default (``draft_vocab:
+    auto``) beside the budget over the full vocabulary."""
+    out = [EngineConfig("no-spec"),
+           EngineConfig("fixed-full", dspark_spec(pair.draft, block, verification="fixed", draft_vocab="off"))]
     out += [EngineConfig(f"fixed-v{n}", dspark_spec(pair.draft, block, verification="fixed", draft_vocab=n))
             for n in sizes]
-    out += [EngineConfig("dspark", dspark_spec(pair.draft, block)),
-            EngineConfig(f"dspark-v{sizes[1]}", dspark_spec(pair.draft, block, draft_vocab=sizes[1]))]
+    out += [EngineConfig("dspark-full", dspark_spec(pair.draft, block, draft_vocab="off")),
+            EngineConfig("dspark", dspark_spec(pair.draft, block))]
     return out
 
 
