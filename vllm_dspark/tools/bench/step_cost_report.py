@@ -295,13 +295,16 @@ def report(result: dict) -> str:
             if g:
                 L.append(f"| {b} | " + " | ".join(f"{1e3 * g.get(p, 0.0):.2f}" for p in (*COMBINED, "step", "floor"))
                          + " |")
+        # The parts a record has (records before the proposer timed the sub-parts have none of them).
+        seen = {k for row in an.values() for s in row["spec"].values() for k in (s.get("drafter_parts_s") or {})}
+        parts = [p for p in DRAFTER_PARTS if "." not in p or "drafter." + p in seen]
         L += ["", "The drafter's own parts (ms per step, the proposer's timings):", "",
-              "| batch | k | " + " | ".join(DRAFTER_PARTS) + " |", "|---" * (len(DRAFTER_PARTS) + 2) + "|"]
+              "| batch | k | " + " | ".join(parts) + " |", "|---" * (len(parts) + 2) + "|"]
         for b, row in an.items():
             for k, s in row["spec"].items():
                 dp = s.get("drafter_parts_s") or {}
                 L.append(f"| {b} | {k} | " + " | ".join(f"{1e3 * dp.get('drafter.' + p, 0.0):.2f}"
-                                                      for p in DRAFTER_PARTS) + " |")
+                                                      for p in parts) + " |")
         prof = d["analysis"]["profiles"]
         floors = {k: v for k, v in prof.items() if k.startswith("floor")}
         if floors:
