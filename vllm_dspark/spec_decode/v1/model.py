@@ -62,6 +62,7 @@ from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.rope import rope_cos_sin, rope_inv_freq_and_scale
 from vllm_dspark.serving.settings import DSparkSettingsError, settings_of
 from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
+from vllm_dspark.spec_decode.common.heads import projection_args
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -222,18 +223,12 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         return {"embed_tokens": self.model.embed_tokens, "lm_head": self.lm_head}
 
     def _head_projection(self, tensors: dict[str, torch.Tensor], no_markov: bool, device) -> dict:
-        """``MarkovWeights.build``'s head arguments: the type from the config, a gated head's ``gate_proj``
-        or an rnn head's ``joint_proj`` as loaded (``build`` refuses a missing or misshapen one by name)."""
-        head_type = str(getattr(self.config, "markov_head_type", None) or "vanilla")
-        if no_markov or head_type == "vanilla":
+        """``MarkovWeights.build``'s head arguments: the type from the config and every projection tensor
+        loaded (``heads.projection_args``, as V2's loader: ``build`` refuses a missing, stray or misshapen
+        one by name)."""
+        if no_markov:
             return {}
-        prefix, arg = {"gated": ("markov_head.gate_proj.", "gate"), "rnn": ("markov_head.joint_proj.", "joint")}[
-            head_type]
-        out: dict = {"markov_head_type": head_type}
-        for part in ("weight", "bias"):
-            t = tensors.get(prefix + part)
-            out[f"{arg}_{part}"] = None if t is None else t.to(device=device)
-        return out
+        return projection_args(str(getattr(self.config, "markov_head_type", None) or "vanilla"), tensors, device)
 
     # ------------------------------------------------------------------ the serve-time draft vocabulary
     def _choose_draft_vocab(self) -> torch.Tensor | None:
