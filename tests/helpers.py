@@ -228,6 +228,17 @@ def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]], trace: 
         return [list(o.outputs[0].token_ids) for o in outs], acceptance_summary(spec_metrics(llm))
 
 
+def traced_family_run(pair: dict, prompts: list[list[int]], root: Path, layout: str, head: str = "vanilla"):
+    """:func:`family_draft` served by :func:`greedy_fixed_run` with a trace: (its config, the draft
+    vocabulary's target ids or None, tokens per prompt, vLLM's acceptance summary, the trace records)."""
+    from vllm_dspark.config import DSparkConfig
+    from vllm_dspark.tools.bench.engine import read_trace
+
+    draft, ids = family_draft(pair, root, layout, head=head)
+    tokens, summary = greedy_fixed_run(pair["target"], draft, prompts, trace=root / "trace.jsonl")
+    return DSparkConfig.from_json(draft), ids, tokens, summary, read_trace(root / "trace.jsonl")
+
+
 # ---------------------------------------------------------------- the one `vllm serve` helper
 @dataclass
 class Server:

@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import family_draft, greedy_fixed_run
-from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.bench.engine import read_trace
+from tests.helpers import traced_family_run
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def gated_run(qwen_pair, prompts, tmp_path_factory):
-    root = tmp_path_factory.mktemp("gated")
-    draft, _ = family_draft(qwen_pair, root, "specforge", head="gated")
-    tokens, summary = greedy_fixed_run(qwen_pair["target"], draft, prompts, trace=root / "trace.jsonl")
-    return DSparkConfig.from_json(draft), tokens, summary, read_trace(root / "trace.jsonl")
+    return traced_family_run(qwen_pair, prompts, tmp_path_factory.mktemp("gated"), "specforge", head="gated")
 
 
 def test_a_gated_drafter_is_lossless_and_drafts_through_its_head(gated_run, qwen_baseline):
-    cfg, tokens, _, records = gated_run
+    cfg, _, tokens, _, records = gated_run
     assert cfg.markov_head_type == "gated"
     assert tokens == qwen_baseline
     paths = {r.get("path") for r in records if "draft" in r}
@@ -35,7 +30,7 @@ def test_a_gated_drafter_is_lossless_and_drafts_through_its_head(gated_run, qwen
 
 
 def test_a_gated_oracle_is_accepted_almost_always(gated_run):
-    cfg, _, s, _ = gated_run
+    cfg, _, _, s, _ = gated_run
     drafts = cfg.num_draft_tokens
     assert s["num_draft_tokens"] == drafts * s["num_drafts"] > 0, s
     assert s["mean_acceptance_length"] >= 1 + 0.9 * drafts, s

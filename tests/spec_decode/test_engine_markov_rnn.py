@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.helpers import VOCAB, family_draft, greedy_fixed_run
-from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.bench.engine import read_trace
+from tests.helpers import VOCAB, traced_family_run
 
 pytestmark = pytest.mark.engine
 
 
 @pytest.fixture(scope="module")
 def rnn_run(qwen_pair, prompts, tmp_path_factory):
-    root = tmp_path_factory.mktemp("rnn")
-    draft, ids = family_draft(qwen_pair, root, "specforge-vocab", head="rnn")
-    tokens, summary = greedy_fixed_run(qwen_pair["target"], draft, prompts, trace=root / "trace.jsonl")
-    return DSparkConfig.from_json(draft), ids, tokens, summary, read_trace(root / "trace.jsonl")
+    return traced_family_run(qwen_pair, prompts, tmp_path_factory.mktemp("rnn"), "specforge-vocab", head="rnn")
 
 
 def test_an_rnn_drafter_with_a_draft_vocabulary_is_lossless(rnn_run, qwen_baseline):
