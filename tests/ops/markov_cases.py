@@ -25,6 +25,7 @@ import torch
 from vllm_dspark.ops import markov as M
 from vllm_dspark.ops.markov_reference import (
     HEAD_TYPES,
+    d2t_of_target_ids,
     head_shapes,
     markov_draft_reference,
     markov_max_norms,
@@ -88,7 +89,7 @@ def with_draft_vocab(case, target_vocab, *, seed=0, sort=True, w_std=0.5):
     perm = torch.randperm(target_vocab, generator=g)
     tgt = perm[:Vd].sort().values if sort else perm[:Vd]
     out = dict(case)
-    out["d2t"] = tgt - torch.arange(Vd)
+    out["d2t"] = d2t_of_target_ids(tgt)
     out["markov_w1"] = (torch.randn(target_vocab, rank, generator=g) * w_std).to(case["markov_w1"].dtype)
     out["markov_w2"] = (torch.randn(Vd, rank, generator=g) * w_std).to(case["markov_w2"].dtype)
     anchors = perm[Vd:][torch.randint(0, target_vocab - Vd, (R,), generator=g)]

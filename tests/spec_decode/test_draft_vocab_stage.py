@@ -11,7 +11,7 @@ import torch
 
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.ops import is_compiled_available
-from vllm_dspark.ops.markov_reference import markov_draft_reference
+from vllm_dspark.ops.markov_reference import d2t_of_target_ids, markov_draft_reference
 from vllm_dspark.spec_decode.common.draft_sampling import sample_drafts
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, DraftVocab, IdentityVocab, MarkovStage
 
@@ -23,7 +23,7 @@ def _d2t(seed=0, sort=True):
     tgt = torch.randperm(V, generator=g)[:VD]
     if sort:
         tgt = tgt.sort().values
-    return tgt - torch.arange(VD)
+    return d2t_of_target_ids(tgt)
 
 
 def _stage(seed=0, sort=True):

@@ -26,6 +26,7 @@ import torch
 from tests.spec_decode.test_model_v2 import MAX_REQS, RANK, FakeSpeculator, H, N
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.ops import is_compiled_available, markov_draft_reference
+from vllm_dspark.ops.markov_reference import d2t_of_target_ids
 from vllm_dspark.spec_decode.common.draft_keys import check_v2_head
 from vllm_dspark.spec_decode.common.drafts import MarkovStage
 from vllm_dspark.spec_decode.v2 import model as model_v2
@@ -63,7 +64,7 @@ def make_model(head: str, draft_vocab: bool, seed: int = 1):
     w2 = torch.randn(vd, RANK, generator=g) * 0.7
     d2t = None
     if draft_vocab:
-        d2t = torch.randperm(VT, generator=g)[:vd].sort().values - torch.arange(vd)
+        d2t = d2t_of_target_ids(torch.randperm(VT, generator=g)[:vd].sort().values)
     weights = MarkovWeights.build(vocab=VT, markov_w1=w1, markov_w2=w2, d2t=d2t,
                                   conf_weight=torch.randn(H + RANK, generator=g) * 0.2, conf_bias=0.3,
                                   hidden_size=H, conf_with_markov=True, **_projection(head, g))

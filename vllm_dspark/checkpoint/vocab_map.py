@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from vllm_dspark.ops.markov_reference import d2t_target_ids
+
 MAX_EXAMPLES = 3
-
-
-def mapped_target_ids(d2t: torch.Tensor) -> torch.Tensor:
-    """[Vd] int64 target ids of the draft ids 0..Vd-1: ``arange(Vd) + d2t``."""
-    return torch.arange(d2t.numel(), dtype=torch.int64) + d2t.to(torch.int64).reshape(-1)
 
 
 def _examples(draft_ids: torch.Tensor, targets: torch.Tensor) -> str:
@@ -36,7 +33,7 @@ def d2t_problems(d2t: torch.Tensor, vocab_size: int) -> list[str]:
     d2t : [Vd] integer offsets
     vocab_size : V, the target's vocabulary size
     """
-    target = mapped_target_ids(d2t)  # [Vd]
+    target = d2t_target_ids(d2t.to(torch.int64).reshape(-1))  # [Vd]
     problems = []
     outside = ((target < 0) | (target >= vocab_size)).nonzero().reshape(-1)
     if outside.numel():
@@ -63,7 +60,7 @@ def t2d_problems(t2d: torch.Tensor, d2t: torch.Tensor, vocab_size: int) -> list[
     """Every way ``t2d`` [V] bool disagrees with ``d2t`` [Vd] (empty when it marks exactly the mapped ids)."""
     if t2d.numel() != vocab_size:
         return []  # the shape check names it
-    target = mapped_target_ids(d2t)
+    target = d2t_target_ids(d2t.to(torch.int64).reshape(-1))
     target = target[(target >= 0) & (target < vocab_size)]  # d2t_problems names the rest
     marked = t2d.reshape(-1).to(torch.bool)
     expected = torch.zeros(vocab_size, dtype=torch.bool)

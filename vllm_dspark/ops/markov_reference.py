@@ -85,6 +85,7 @@ __all__ = [
     "embed_prev",
     "check_d2t",
     "d2t_target_ids",
+    "d2t_of_target_ids",
     "HEAD_TYPES",
     "head_type_code",
     "check_head",
@@ -234,6 +235,11 @@ def embed_prev(markov_w1: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
 def d2t_target_ids(d2t: torch.Tensor) -> torch.Tensor:
     """The target id of every draft id, ``arange(Vd) + d2t`` (int64 [Vd])."""
     return torch.arange(d2t.numel(), dtype=torch.int64, device=d2t.device) + d2t
+
+
+def d2t_of_target_ids(target_ids: torch.Tensor) -> torch.Tensor:
+    """The ``d2t`` offsets that map draft id j to ``target_ids[j]`` (the inverse of :func:`d2t_target_ids`)."""
+    return target_ids - torch.arange(target_ids.numel(), dtype=target_ids.dtype, device=target_ids.device)
 
 
 def check_d2t(d2t: object, draft_vocab: int, target_vocab: int | None = None, *,

@@ -313,9 +313,11 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
                         f"{trust['probe_max_period']}, below probe_period {trust['probe_period']}; set it to at "
                         f"least probe_period")
     draft_vocab, table = values.get("draft_vocab", _default("draft_vocab")), values.get("draft_vocab_table")
+    table_by_default = table is None
+    table = str(Path(str(draft)) / FILE_NAME) if table is None else table
     vocab_auto = draft_vocab == "auto"
     if vocab_auto:
-        draft_vocab = _auto_draft_vocab(cfg, str(table or Path(str(draft)) / FILE_NAME))
+        draft_vocab = _auto_draft_vocab(cfg, table)
         sources["draft_vocab"] = (f"auto: {draft_vocab} (a frequency table with the drafter)" if draft_vocab
                                   else "auto: off (no frequency table, or the drafter has its own vocabulary)")
     if draft_vocab is not None:
@@ -325,8 +327,7 @@ def resolve_settings(cfg: DSparkConfig, *, draft: str, dflash_config: Mapping[st
         elif draft_vocab >= cfg.vocab_size:
             problems.append(f"draft_vocab ({sources['draft_vocab']}): got {draft_vocab}, but the vocabulary has "
                             f"{cfg.vocab_size} tokens; set 1 <= draft_vocab < {cfg.vocab_size}, or 'off'")
-        if table is None:
-            table = str(Path(str(draft)) / FILE_NAME)
+        if table_by_default:
             sources["draft_vocab_table"] = "default: the drafter's directory"
     if problems:
         raise DSparkSettingsError("DSpark settings cannot be served:\n  - " + "\n  - ".join(problems), problems)

@@ -27,6 +27,7 @@ import torch
 from vllm_dspark.checkpoint.io import save_checkpoint
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import DSparkDraftModel
+from vllm_dspark.ops.markov_reference import d2t_of_target_ids
 
 
 def make_tokenizer(path: str | Path, vocab_size: int) -> Path:
@@ -323,7 +324,7 @@ def _draft_vocab_tensors(src: str | Path, cfg: DSparkConfig, target: str | Path,
     w2 = "markov_head.markov_w2.weight"
     if w2 in tensors:
         tensors[w2] = tensors[w2][ids]
-    tensors["d2t"] = mapped - torch.arange(vd, dtype=torch.int64)
+    tensors["d2t"] = d2t_of_target_ids(mapped)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[mapped] = True
     tensors["t2d"] = t2d

@@ -236,7 +236,7 @@ class ProbeRhythm:
 
     def __init__(self, shortest: int, longest: int):
         self.shortest, self.longest = max(1, shortest), max(1, longest)
-        self.period = self.wait = self.shortest
+        self.reset()
 
     def reset(self) -> None:
         self.period = self.wait = self.shortest

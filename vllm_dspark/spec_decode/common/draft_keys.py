@@ -6,6 +6,8 @@ DSpark modules read them as top-level attributes of the draft's HF config.
 
 from __future__ import annotations
 
+from vllm_dspark.ops.markov_reference import HEAD_TYPES
+
 _DSPARK_KEYS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
                 "mask_token_id")
 
@@ -45,9 +47,9 @@ def check_v2_head(hf_config) -> None:
     construction or load (``spec_decode/v2/model.py``), never left to upstream's loop.
     """
     head = getattr(hf_config, "markov_head_type", None) or "vanilla"
-    if head not in ("vanilla", "gated", "rnn"):
+    if head not in HEAD_TYPES:
         raise ValueError(f"vllm_dspark: markov_head_type {head!r}: not a Markov head this plugin serves "
-                         "(vanilla, gated, rnn)")
+                         f"({', '.join(HEAD_TYPES)})")
     if head != "vanilla" and getattr(hf_config, "dspark_draft_topk", None) is not None:
         raise ValueError(f"vllm_dspark: markov_head_type {head!r} with dspark_draft_topk: vLLM 0.33's top-k "
                          "gathered drafting never calls the plugin's Markov stage, and upstream's applies a "

@@ -60,9 +60,10 @@ from vllm_dspark.checkpoint.io import canonical_name
 from vllm_dspark.checkpoint.token_frequency import draft_vocab_ids, load_frequency_table
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.rope import rope_cos_sin, rope_inv_freq_and_scale
+from vllm_dspark.ops.markov_reference import d2t_of_target_ids
 from vllm_dspark.serving.settings import DSparkSettingsError, settings_of
 from vllm_dspark.spec_decode.common.draft_keys import expose_dspark_keys
-from vllm_dspark.spec_decode.common.heads import projection_args
+from vllm_dspark.spec_decode.common.heads import PROJECTION_TENSORS, projection_args
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -181,7 +182,7 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
                 if c is None:
                     continue
                 names_seen.add(c)
-                if c.startswith(("markov_head.gate_proj.", "markov_head.joint_proj.")):
+                if c in PROJECTION_TENSORS:
                     head_proj[c] = w
                     continue
                 yield c, w
@@ -202,7 +203,7 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         self.draft_ids = self._choose_draft_vocab()
         if self.draft_ids is not None:
             ids = self.draft_ids
-            d2t = ids - torch.arange(ids.numel(), dtype=torch.int64)
+            d2t = d2t_of_target_ids(ids)
             if w2 is not None:
                 w2 = w2[ids.to(w2.device)]
         # Raw tensors: vLLM's CPU backend may repack linear weights and leave .weight empty.
@@ -240,12 +241,12 @@ class DSparkV1DraftModel(Qwen3DSparkForCausalLM):
         if s.draft_vocab is None:
             return None
         lp = self.logits_processor
-        if s.draft_vocab_auto and (lp.soft_cap is not None or getattr(lp, "logits_as_input", False)
-                                   or getattr(self.lm_head, "tp_size", 1) > 1):
+        soft_capped = lp.soft_cap is not None or getattr(lp, "logits_as_input", False)
+        if s.draft_vocab_auto and (soft_capped or getattr(self.lm_head, "tp_size", 1) > 1):
             logger.info("vllm_dspark: draft_vocab auto: off (this drafter's LM head is soft-capped or split "
                         "across tensor-parallel ranks, which the sliced head does not reproduce)")
             return None
-        if lp.soft_cap is not None or getattr(lp, "logits_as_input", False):
+        if soft_capped:
             raise DSparkSettingsError(
                 f"draft_vocab {s.draft_vocab}: this drafter's logits are soft-capped (or taken as input), which "
                 "the draft vocabulary's sliced LM head does not reproduce; set draft_vocab to 'off'")

@@ -226,8 +226,9 @@ def why_not_speculator(speculator: Any, device: torch.device, weights: MarkovWei
     if getattr(speculator, "draft_watermarker", None) is not None:
         return "a draft watermarker is configured"
     cache = getattr(speculator, "draft_logits", None)
-    if cache is not None and _cache_dtype_reason(cache.dtype) is not None:
-        return _cache_dtype_reason(cache.dtype)
+    reason = None if cache is None else _cache_dtype_reason(cache.dtype)
+    if reason is not None:
+        return reason
     if not is_compiled_available(device.type):
         return f"no compiled markov_draft kernel for {device.type!r}"
     return None
