@@ -70,21 +70,23 @@ def match_sequence(record: dict, sequences: list[list[int]], first_request: int 
 
 def check_trace_against_reference(trace: list[dict], sequences: list[list[int]], ref: ReferenceDrafter, *,
                                   samples: int, threshold: float = 0.0, cap: int | None = None,
-                                  atol: float = 2e-3) -> int:
+                                  atol: float = 2e-3, verified_only: bool = False) -> int:
     """Recompute about ``samples`` recorded steps; tokens, confidences and kept lengths must match.
 
     fp32 engine against the fp32 reference: the confidences depend on every
-    backbone weight, so they check the whole parallel pass. Returns how many
+    backbone weight, so they check the whole parallel pass. ``verified_only``: compare the first
+    ``kept`` positions of records that sent drafts (a probe drafts only those). Returns how many
     steps were checked.
     """
     checked = 0
     for rec in trace[:: max(1, len(trace) // samples)]:
         idx = match_sequence(rec, sequences)
-        if idx is None:
+        if idx is None or (verified_only and rec["kept"] == 0):
             continue
         out = ref.step(sequences[idx], rec["pos"], threshold=threshold)
-        assert rec["draft"] == out.tokens[0].tolist(), rec
-        assert torch.allclose(torch.tensor(rec["confidence"]), out.confidence[0], atol=atol), \
+        n = rec["kept"] if verified_only else len(rec["draft"])
+        assert rec["draft"][:n] == out.tokens[0, :n].tolist(), rec
+        assert torch.allclose(torch.tensor(rec["confidence"][:n]), out.confidence[0, :n], atol=atol), \
             (rec, out.confidence[0].tolist())
         if cap is not None:
             assert min(cap, int(out.lengths[0])) == rec["kept"], rec

@@ -21,9 +21,10 @@ import pytest
 import torch
 
 from tests.helpers import MAX_TOKENS, VOCAB
+from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.spec_decode.common.budget import TrustConfig
 from vllm_dspark.spec_decode.common.calibration import Calibrator
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -78,7 +79,10 @@ def wrong_head(qwen_pair, prompts, tmp_path_factory):
 @pytest.fixture(scope="module")
 def profiled(qwen_pair, prompts, tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
-    return _run(qwen_pair, prompts, {}, env={"VLLM_DSPARK_PROFILE_CACHE": str(cache)}), cache
+    trace = cache / "trace.jsonl"
+    result = _run(qwen_pair, prompts, {}, env={"VLLM_DSPARK_PROFILE_CACHE": str(cache),
+                                               "VLLM_DSPARK_TRACE": str(trace)})
+    return result, cache, read_trace(trace)
 
 
 def test_zero_admitted_drafts_make_plain_decode_steps(never_pays, qwen_baseline):
@@ -97,7 +101,7 @@ def test_zero_admitted_drafts_make_plain_decode_steps(never_pays, qwen_baseline)
 
 
 def test_default_budget_profiles_costs_and_stays_lossless(profiled, qwen_baseline):
-    (tokens, metrics, report), cache = profiled
+    (tokens, metrics, report), cache, _ = profiled
     assert tokens == qwen_baseline
     assert report["settings"]["verification"] == "budget"
     assert report["costs"]["source"].startswith("start-up profile")
@@ -113,6 +117,19 @@ def test_default_budget_profiles_costs_and_stays_lossless(profiled, qwen_baselin
     assert s["mean_acceptance_length"] > 2.0, s
     cal = report["calibration"]
     assert sum(cal["count"]) > 0 and 0.0 <= cal["ece"] <= 1.0
+
+
+def test_probes_drafted_on_their_requests_alone_match_the_reference(profiled, qwen_pair, prompts):
+    # The drafter proved itself with probes first (2 drafts for up to 4 of the 16 requests); each
+    # probe's block forward ran on the probed requests alone (probe_block), and what they sent is
+    # what the reference drafter drafts from the same context.
+    (tokens, _, report), _, trace = profiled
+    assert report["layout"]["probe_blocks_cut"] >= 1, report["layout"]
+    probes = [r for r in trace if r["plan"] == "probe" and r["kept"] > 0]
+    assert probes, "no probe sent drafts"
+    ref = ReferenceDrafter(qwen_pair["target"], qwen_pair["draft"])
+    sequences = [p + t for p, t in zip(prompts, tokens)]
+    assert check_trace_against_reference(probes, sequences, ref, samples=len(probes), verified_only=True) >= 1
 
 
 def test_a_confidently_wrong_head_is_not_trusted(wrong_head, qwen_baseline, prompts):

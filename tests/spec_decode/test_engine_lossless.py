@@ -106,3 +106,11 @@ def test_seeded_sampling_completes_and_reproduces(engine, prompts):
     second = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
     assert all(len(t) == 24 for t in first)
     assert first == second
+
+
+def test_rejected_context_rows_were_left_out_of_the_layout(engine, greedy_run):
+    # The greedy run verified 7 drafts a step and rejected some (acceptance < 8): those steps' rejected
+    # rows skipped fc and the context K/V (accepted_context), and the drafts still match the reference
+    # drafter and the output the target alone (the tests above).
+    report = dspark_report(engine[0])
+    assert report["layout"]["rejected_rows_dropped"] > 0, report["layout"]

@@ -58,9 +58,11 @@ from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
+from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_texts, merge_copies
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
+from vllm_dspark.spec_decode.v1.probe_block import probe_queries
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -111,6 +113,8 @@ class StepState:
     hold_checked: bool = False  # the first hold checked the runner's slot layout
     step_marks: int = 0
     before_glue_steps: int = 0
+    rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
+    probe_blocks_cut: int = 0  # probes whose block forward ran on the probed requests alone (probe_block)
 
     def take_decision(self) -> Decision | None:
         d, self.decided = self.decided, None
@@ -159,6 +163,7 @@ class DSparkProposer(DFlashProposer):
         self._seed_base = int(seed) if seed is not None else 0
         self._last_log = time.monotonic()
         self._last_draft_probs = None  # upstream's name: the runner takes sampled drafts' q from it
+        self._trace_positions: list[int] = []  # the step's anchor positions, per request (the trace's)
         self.pending = PendingContext()
         # A sliding-window KV manager frees blocks behind the window: held slots must stay inside it.
         self.state = StepState(hold_ok=not s.window or s.window > self.pending.max_steps + 2 * self.block_size)
@@ -245,10 +250,9 @@ class DSparkProposer(DFlashProposer):
             self._lap("held", t)
             return self._no_drafts(d)
 
-        hidden = self.model.combine_hidden_states(target_hidden_states)
-        num_query, sample_rows, block_cad = self.set_inputs_first_pass(
-            target_token_ids, next_token_ids, target_positions, hidden, token_indices_to_sample, cad,
-            num_rejected_tokens_gpu)
+        num_query, sample_rows, block_cad = self._lay_out(
+            d.batch, target_token_ids, target_positions, target_hidden_states, next_token_ids,
+            token_indices_to_sample, cad, num_rejected_tokens_gpu)
         t_layout = t = self._lap("layout", t)
         if not d.plan.drafter_runs:
             # The drafter's K/V of this step's tokens must still be written, or later drafts would
@@ -264,14 +268,36 @@ class DSparkProposer(DFlashProposer):
             return self._record(d, d.copy.drafts, kept, next_token_ids, t, t_layout,
                                 [COPY_SOURCE if k else MODEL_SOURCE for k in kept])
 
+        probed = d.plan.mode is PlanMode.PROBE and len(d.plan.rows) < d.batch and mm_embed_inputs is None
+        if probed:  # the probed requests' query blocks alone (their context K/V is stored for all)
+            num_query, sample_rows, block_cad = probe_queries(
+                (self.input_ids, self.positions, self._slot_mapping_buffer), block_cad, sample_rows, d.batch,
+                self.block, d.plan.rows)
+            self.state.probe_blocks_cut += 1
         rows = self._block_forward(num_query, sample_rows, block_cad, mm_embed_inputs)
         t = self._lap("block_forward", t)
-        drafts = self._run_sources(d, rows, next_token_ids, sampling_metadata, cad)
+        drafts = self._run_sources(d, rows, next_token_ids, sampling_metadata, cad, probed)
         t = self._lap("markov_stage", t)
         kept, picks = self._allocate(d, drafts)
         if d.copy is not None and COPY_SOURCE in picks:
             drafts = merge_copies(drafts, d.copy.drafts, picks, d.sampled)
         return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
+
+    def _lay_out(self, batch: int, token_ids, positions, hidden_states, next_token_ids, token_indices, cad,
+                 num_rejected):
+        """``fc`` and the query layout over the step's context, its rejected rows left out (on CPU:
+        :mod:`.accepted_context`)."""
+        kept = accepted_context(token_ids, positions, hidden_states, cad, num_rejected)
+        if kept is not None:
+            self.state.rejected_rows_dropped += int(token_ids.shape[0]) - int(kept.token_ids.shape[0])
+            token_ids, positions, hidden_states, cad, num_rejected = (
+                kept.token_ids, kept.positions, kept.hidden_states, kept.cad, None)
+        out = self.set_inputs_first_pass(token_ids, next_token_ids, positions,
+                                         self.model.combine_hidden_states(hidden_states), token_indices, cad,
+                                         num_rejected)
+        if self.settings.trace_path:  # each request's anchor position, before a probe reorders the buffers
+            self._trace_positions = self.positions[: batch * self.block].view(-1, self.block)[:, 0].tolist()
+        return out
 
     def _block_forward(self, num_query: int, sample_rows: torch.Tensor, block_cad, mm_embed_inputs):
         """The drafter's non-causal pass over every request's block: the sampled rows [R * N, H]."""
@@ -288,13 +314,16 @@ class DSparkProposer(DFlashProposer):
         last_hidden = out[0] if isinstance(out, tuple) else out
         return last_hidden[sample_rows]
 
-    def _run_sources(self, d: Decision, rows: torch.Tensor, next_token_ids, sampling_metadata, cad) -> Drafts:
+    def _run_sources(self, d: Decision, rows: torch.Tensor, next_token_ids, sampling_metadata, cad,
+                     probed: bool = False) -> Drafts:
         """The Markov stage's drafts as [batch, N]. A probe drafts only its requests' first few
-        positions: the LM head and the sequential stage run on those rows alone."""
+        positions: the LM head and the sequential stage run on those rows alone (``probed``: the
+        block forward ran on those requests alone, so ``rows`` holds theirs only)."""
         n, plan = self.n_draft, d.plan
         if plan.mode is PlanMode.PROBE:
             idx, k = list(plan.rows), plan.tokens
-            hidden = rows.view(d.batch, n, -1)[idx, :k].reshape(len(idx) * k, -1)
+            blocks = rows.view(len(idx), n, -1) if probed else rows.view(d.batch, n, -1)[idx]
+            hidden = blocks[:, :k].reshape(len(idx) * k, -1)
         else:
             idx, k, hidden = list(range(d.batch)), n, rows
         temps = getattr(sampling_metadata, "temperature", None)
@@ -626,8 +655,9 @@ class DSparkProposer(DFlashProposer):
 
     # ------------------------------------------------------------------ observability
     def _trace(self, req_ids, anchors, tokens, conf, kept, sampled, picks) -> None:
-        pos = self.positions[: len(req_ids) * self.block].view(-1, self.block)[:, 0].tolist()
-        recs = [{"step": self.state.step, "pid": os.getpid(), "req_id": rid, "pos": pos[i], "anchor": anchors[i],
+        pos = self._trace_positions
+        recs = [{"step": self.state.step, "plan": str(self.state.sent_kind), "pid": os.getpid(), "req_id": rid,
+                 "pos": pos[i], "anchor": anchors[i],
                  "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
                  "verification": self.settings.verification, "threshold": self.settings.threshold,
                  # Sampled drafts are drawn by draft_sampling (dense, per position), greedy ones by the op.
@@ -666,6 +696,8 @@ class DSparkProposer(DFlashProposer):
                                                  "cache_path": c.cache_path},
                 "held_context": {**self.pending.counts, "enabled": self.state.hold_ok,
                                  "before_glue_steps": self.state.before_glue_steps},
+                "layout": {"rejected_rows_dropped": self.state.rejected_rows_dropped,
+                           "probe_blocks_cut": self.state.probe_blocks_cut},
                 "step_clock": {"marks": self.state.step_marks,
                                "from": "execute_model" if self.state.step_marks else "previous propose"},
                 "policy": self.policy.report(), "consensus": self.consensus.report(),
