@@ -54,10 +54,8 @@ def accepted_context(token_ids: torch.Tensor, positions: torch.Tensor, hidden_st
     new_starts = np.zeros(batch + 1, dtype=np.int64)
     np.cumsum(keep, out=new_starts[1:])
     total = int(new_starts[-1])
-    # Row i of the result is row (start of its request) + (its offset among the request's kept rows).
-    owner_start = np.repeat(starts[:-1], keep)
-    offset = np.arange(total, dtype=np.int64) - np.repeat(new_starts[:-1], keep)
-    idx = torch.from_numpy(owner_start + offset)
+    # Kept row i sits in its request's block as it did before, shifted by the rows dropped before it.
+    idx = torch.from_numpy(np.arange(total, dtype=np.int64) + np.repeat(starts[:-1] - new_starts[:-1], keep))
     loc_cpu = torch.from_numpy(new_starts.astype(np.int32))
     new_cad = dataclasses.replace(
         cad, query_start_loc=loc_cpu.to(cad.query_start_loc.device), query_start_loc_cpu=loc_cpu,

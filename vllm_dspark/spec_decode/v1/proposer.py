@@ -287,11 +287,11 @@ class DSparkProposer(DFlashProposer):
                  num_rejected):
         """``fc`` and the query layout over the step's context, its rejected rows left out (on CPU:
         :mod:`.accepted_context`)."""
-        kept = accepted_context(token_ids, positions, hidden_states, cad, num_rejected)
-        if kept is not None:
-            self.state.rejected_rows_dropped += int(token_ids.shape[0]) - int(kept.token_ids.shape[0])
+        accepted = accepted_context(token_ids, positions, hidden_states, cad, num_rejected)
+        if accepted is not None:
+            self.state.rejected_rows_dropped += int(token_ids.shape[0]) - int(accepted.token_ids.shape[0])
             token_ids, positions, hidden_states, cad, num_rejected = (
-                kept.token_ids, kept.positions, kept.hidden_states, kept.cad, None)
+                accepted.token_ids, accepted.positions, accepted.hidden_states, accepted.cad, None)
         out = self.set_inputs_first_pass(token_ids, next_token_ids, positions,
                                          self.model.combine_hidden_states(hidden_states), token_indices, cad,
                                          num_rejected)
