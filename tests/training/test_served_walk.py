@@ -79,3 +79,16 @@ def test_training_evals_report_the_served_walk_and_log_full_vocabulary_steps(fea
     assert logged[1]["full_vocab"] and logged[3]["full_vocab"]
     served = logged[3]["eval"]["held"]["served"]
     assert served["steps"] > 0 and 1.0 <= served["accept_len"] <= 1 + cfg.block_size
+
+
+def test_the_bootstrap_interval_holds_the_walk_and_narrows_with_more_conversations():
+    from vllm_dspark.tools.training.served_walk import bootstrap_accept_len
+
+    g = np.random.default_rng(0)
+    few = [list(g.integers(0, 4, size=g.integers(5, 30))) for _ in range(8)]
+    many = few * 16
+    a, b = bootstrap_accept_len(few), bootstrap_accept_len(many)
+    steps = [n for c in few for n in c]
+    assert a["accept_len"] == b["accept_len"] == round(1 + sum(steps) / len(steps), 4)
+    assert a["lo"] < a["accept_len"] < a["hi"] and b["hi"] - b["lo"] < (a["hi"] - a["lo"]) / 2
+    assert bootstrap_accept_len([[], []])["steps"] == 0

@@ -252,3 +252,44 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch(features, target_dir, embed
     last, metrics = block_loss(model, blk, embed, embed, args, None, True)
     assert last.item() < 0.8 * first.item(), (first.item(), last.item())
     assert {"loss", "tv"} <= set(metrics)
+
+
+def test_a_draft_vocabulary_loss_scores_its_tokens_only_and_drops_labels_outside_it(features, target_dir, embed):
+    fs, _ = features
+    cfg = _config(target_dir)
+    model = init_drafter(cfg, seed=0)
+    anchors = [sample_anchors(fs, c, 4, cfg.block_size, torch.Generator().manual_seed(c)) for c in (1, 2)]
+    b = make_blocks(cfg, fs, [1, 2], anchors)
+    args = TrainArgs(cand_k=8)
+    # The whole vocabulary as the "draft vocabulary" is the full-vocabulary loss.
+    full, _ = block_loss(model, b, embed, embed, args, None, full_vocab=True)
+    every, m = block_loss(model, b, embed, embed, args, None, full_vocab=False, draft_ids=torch.arange(VOCAB))
+    assert m["candidates"] == VOCAB
+    torch.testing.assert_close(full, every)
+    # A vocabulary that leaves every label out has no CE term: its CE is zero, not the log of nothing.
+    labels = set(b.labels[b.valid].tolist())
+    outside = torch.tensor([t for t in range(VOCAB) if t not in labels])
+    loss, m = block_loss(model, b, embed, embed, args, None, full_vocab=False, draft_ids=outside)
+    assert m["candidates"] == len(outside) and m["ce"] == 0.0 and torch.isfinite(loss)
+
+
+def test_training_on_a_subset_draws_only_its_conversations(features, target_dir, embed, tmp_path, monkeypatch):
+    import vllm_dspark.tools.training.trainer as T
+
+    fs, _ = features
+    cfg = _config(target_dir)
+    seen: list[int] = []
+    real = T.make_blocks
+
+    def spy(c, d, convs, *a, **k):
+        seen.extend(convs)
+        return real(c, d, convs, *a, **k)
+
+    monkeypatch.setattr(T, "make_blocks", spy)
+    args = TrainArgs(steps=4, seqs_per_step=2, anchors_per_seq=3, eval_every=100, log_every=1)
+    train(init_drafter(cfg, seed=0), embed, embed, fs, {}, args, tmp_path / "s", log=lambda *_: None,
+          conversations=[1, 4])
+    assert len(seen) == 8 and set(seen) == {1, 4}
+    with pytest.raises(ValueError, match="no conversations"):
+        train(init_drafter(cfg, seed=0), embed, embed, fs, {}, args, tmp_path / "e", log=lambda *_: None,
+              conversations=[])

@@ -92,22 +92,51 @@ def anchor_hits(model: DSparkDraftModel, data, conv: int, embed: torch.Tensor, l
     return hits
 
 
-def served_walk(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: torch.Tensor,
-                scale: torch.Tensor | None = None, *, block_hits: Callable[..., torch.Tensor],
-                max_tokens: int | None = None, use_markov: bool = True) -> dict:
-    """The served-walk metric on a held-out :class:`FeatureSet`: conversations in order until
-    ``max_tokens`` (None: all). Returns :func:`summarize`'s dict plus the conversations and tokens read."""
+@torch.no_grad()
+def walk_conversations(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: torch.Tensor,
+                       scale: torch.Tensor | None = None, *, block_hits: Callable[..., torch.Tensor],
+                       max_tokens: int | None = None, use_markov: bool = True) -> list[list[int]]:
+    """Each conversation's walk (accepted drafts per step), in order until ``max_tokens`` were read
+    (None: all of them)."""
     was = model.training
     model.eval()
-    steps: list[int] = []
-    convs = tokens = 0
+    per_conv: list[list[int]] = []
+    tokens = 0
     for c in range(len(data)):
         if max_tokens is not None and tokens >= max_tokens:
             break
         gen = data.gen[int(data.offsets[c]):int(data.offsets[c + 1])]
         hits = anchor_hits(model, data, c, embed, lm_head, scale, block_hits=block_hits, use_markov=use_markov)
-        steps += walk(hits, answer_spans(gen))
-        convs += 1
+        per_conv.append(walk(hits, answer_spans(gen)))
         tokens += data.length(c)
     model.train(was)
-    return {**summarize(steps, model.config.block_size), "conversations": convs, "tokens": tokens}
+    return per_conv
+
+
+def served_walk(model: DSparkDraftModel, data, embed: torch.Tensor, lm_head: torch.Tensor,
+                scale: torch.Tensor | None = None, *, block_hits: Callable[..., torch.Tensor],
+                max_tokens: int | None = None, use_markov: bool = True) -> dict:
+    """The served-walk metric on a held-out :class:`FeatureSet`: conversations in order until
+    ``max_tokens`` (None: all). Returns :func:`summarize`'s dict plus the conversations and tokens read."""
+    per_conv = walk_conversations(model, data, embed, lm_head, scale, block_hits=block_hits, max_tokens=max_tokens,
+                                  use_markov=use_markov)
+    steps = [n for conv in per_conv for n in conv]
+    tokens = sum(data.length(c) for c in range(len(per_conv)))
+    return {**summarize(steps, model.config.block_size), "conversations": len(per_conv), "tokens": tokens}
+
+
+def bootstrap_accept_len(per_conv: Sequence[Sequence[int]], *, reps: int = 2000, seed: int = 0,
+                         level: float = 0.95) -> dict:
+    """The walk's acceptance length with a bootstrap interval over conversations: conversations are
+    drawn with replacement, and each draw's acceptance length is ``1 + accepted / steps`` over the
+    conversations drawn (a long answer weighs as much as it does when served)."""
+    acc = np.asarray([sum(c) for c in per_conv], dtype=np.float64)
+    steps = np.asarray([len(c) for c in per_conv], dtype=np.float64)
+    if steps.sum() == 0:
+        return {"accept_len": 1.0, "lo": 1.0, "hi": 1.0, "conversations": len(per_conv), "steps": 0}
+    g = np.random.default_rng(seed)
+    draw = g.integers(0, len(acc), size=(reps, len(acc)))
+    boot = 1.0 + acc[draw].sum(1) / np.maximum(steps[draw].sum(1), 1.0)
+    lo, hi = np.quantile(boot, [(1 - level) / 2, (1 + level) / 2])
+    return {"accept_len": round(float(1 + acc.sum() / steps.sum()), 4), "lo": round(float(lo), 4),
+            "hi": round(float(hi), 4), "conversations": len(per_conv), "steps": int(steps.sum())}

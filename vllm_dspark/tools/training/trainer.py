@@ -214,14 +214,22 @@ def candidate_logits(model: DSparkDraftModel, hidden: torch.Tensor, prev_ids: to
 
 
 def block_loss(model: DSparkDraftModel, blocks: Blocks, embed: torch.Tensor, lm_head: torch.Tensor,
-               args: TrainArgs, scale: torch.Tensor | None, full_vocab: bool) -> tuple[torch.Tensor, dict]:
+               args: TrainArgs, scale: torch.Tensor | None, full_vocab: bool,
+               draft_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+    """The step's loss. ``draft_ids``: score on this fixed vocabulary (the one serving drafts from)
+    instead of the candidate set or the whole vocabulary; the target's mass outside it is dropped
+    and renormalised, and a label outside it has no CE term (serving can never draft it)."""
     b = model.config.block_size
     vocab = lm_head.shape[0]
     hidden = _hidden(model, blocks, embed, scale)  # [N, Q, H]
     sel = blocks.valid  # positions with a loss
     h, prev = hidden[sel], blocks.prev_ids[sel]  # [P, H], [P]
     tk_ids, tk_p, labels = blocks.topk_ids[sel], blocks.topk_p[sel], blocks.labels[sel]
-    if full_vocab:
+    if draft_ids is not None:
+        cand = draft_ids
+        where = torch.full((vocab,), -1, dtype=torch.long)
+        where[cand] = torch.arange(len(cand))
+    elif full_vocab:
         cand, where = None, torch.arange(vocab)
     else:
         cand = torch.unique(torch.cat([tk_ids[:, :args.cand_k].reshape(-1), labels]))
@@ -234,7 +242,8 @@ def block_loss(model: DSparkDraftModel, blocks: Blocks, embed: torch.Tensor, lm_
     tgt.scatter_add_(1, col.clamp(min=0), tk_p * (col >= 0))
     tgt = tgt / tgt.sum(-1, keepdim=True).clamp(min=1e-6)
     l1 = (logp.exp() - tgt).abs().sum(-1)  # [P] = 2 TV
-    ce = -logp.gather(1, where[labels][:, None]).squeeze(1)
+    label_col = where[labels]
+    ce = -logp.gather(1, label_col.clamp(min=0)[:, None]).squeeze(1) * (label_col >= 0)
     tv = 0.5 * l1
     conf_label = (1.0 - tv).detach().clamp(0, 1)
     if model.confidence_head is not None:
@@ -325,13 +334,19 @@ def _save_atomic(obj, path: Path) -> None:
 
 def train(model: DSparkDraftModel, embed: torch.Tensor, lm_head: torch.Tensor, train_data,
           eval_sets: dict[str, tuple[object, dict[int, torch.Tensor]]], args: TrainArgs, work_dir: str | Path,
-          log: Callable[[str], None] = print, stop_after_s: float | None = None) -> dict:
+          log: Callable[[str], None] = print, stop_after_s: float | None = None,
+          conversations: Sequence[int] | None = None, draft_ids: torch.Tensor | None = None) -> dict:
     """Train in place, resuming from ``work_dir/ckpt.pt``; returns the run record.
 
     ``eval_sets``: name -> (FeatureSet, fixed eval anchors). ``stop_after_s``: return
     (checkpointed) after that many seconds of this call, to be resumed later; the
-    record then has ``"finished": False``.
+    record then has ``"finished": False``. ``conversations``: train on these conversations of
+    ``train_data`` only (e.g. the greedy ones). ``draft_ids``: every step scores the drafter on
+    this vocabulary (:func:`block_loss`), with no full-vocabulary steps.
     """
+    pool = list(range(len(train_data))) if conversations is None else [int(c) for c in conversations]
+    if not pool:
+        raise ValueError("train: no conversations to train on")
     from tqdm import tqdm
 
     work = Path(work_dir)
@@ -369,12 +384,12 @@ def train(model: DSparkDraftModel, embed: torch.Tensor, lm_head: torch.Tensor, t
         for g in opt.param_groups:
             g["lr"] = lr
         if len(order) < args.seqs_per_step:
-            order += torch.randperm(len(train_data), generator=gen).tolist()
+            order += [pool[i] for i in torch.randperm(len(pool), generator=gen).tolist()]
         convs, order = order[:args.seqs_per_step], order[args.seqs_per_step:]
         anchors = [sample_anchors(train_data, c, args.anchors_per_seq, model.config.block_size, gen) for c in convs]
         blocks = make_blocks(model.config, train_data, convs, anchors)
-        full = args.full_vocab_every > 0 and step % args.full_vocab_every == 0
-        loss, m = block_loss(model, blocks, embed, lm_head, args, scale, full)
+        full = draft_ids is None and args.full_vocab_every > 0 and step % args.full_vocab_every == 0
+        loss, m = block_loss(model, blocks, embed, lm_head, args, scale, full, draft_ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
