@@ -5,7 +5,8 @@
 every drafted id a target id inside the draft vocabulary, and sampled requests (q mapped to the target
 vocabulary) served too.
 
-Two engines (the session's target-alone baseline and one DSpark engine)."""
+Three engines (the session's target-alone baseline, one DSpark engine verifying every draft, and one with
+the default settings, whose start-up profile used to crash on this layout)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from tests.helpers import MAX_TOKENS, VOCAB, family_draft
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
+from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 
@@ -73,3 +74,25 @@ def test_sampled_requests_draft_through_the_draft_vocabulary(speculators_run):
     *_, sampled, sampled_tokens, _ = speculators_run
     assert all(len(t) == MAX_TOKENS and all(0 <= i < VOCAB for i in t) for t in sampled_tokens)
     assert sampled["num_drafts"] > 0 and sampled["num_accepted_tokens"] > 0, sampled
+
+
+@pytest.fixture(scope="module")
+def speculators_default_run(qwen_pair, prompts, tmp_path_factory):
+    """The same layout with the default settings: the budget, whose start-up profile times the drafter on
+    dummy rows before any request (the 1 + N layout with a d2t vocabulary crashed there)."""
+    from vllm import SamplingParams
+
+    draft, _ = family_draft(qwen_pair, tmp_path_factory.mktemp("speculators_default"), "speculators")
+    with llm_engine(qwen_pair["target"], speculative_config={"method": "dspark", "model": str(draft)}) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+        report = dspark_report(llm)
+    return [list(o.outputs[0].token_ids) for o in outs], report
+
+
+def test_a_one_plus_n_d2t_checkpoint_starts_with_the_default_settings_and_is_lossless(speculators_default_run,
+                                                                                       qwen_baseline):
+    tokens, report = speculators_default_run
+    assert report["settings"]["verification"] == "budget"
+    assert report["profile"]["decision"] == "profiled" and report["costs"]["source"].startswith("start-up profile")
+    assert tokens == qwen_baseline

@@ -110,14 +110,17 @@ def _verify_fn(proposer, n: int):
 
 def _draft_fn(proposer, r: int):
     stage = proposer.markov_stage
-    nq = r * proposer.block
+    block, n = proposer.block, proposer.n_draft
+    nq = r * block
 
     def run():
         proposer.dummy_run(nq, use_cudagraphs=False)
-        hidden = proposer.hidden_states[:nq]
-        base, _ = stage.inputs(hidden, r, proposer.n_draft, with_confidence=False)
+        # The rows a step drafts from, as the layout samples them: every query of a block
+        # (anchor-first) or the N masks after its anchor (1 + N: block - 1 rows of block).
+        hidden = proposer.hidden_states[:nq].view(r, block, -1)[:, block - n:]
+        base, _ = stage.inputs(hidden.reshape(r * n, -1), r, n, with_confidence=False)
         stage.greedy(base, torch.zeros(r, dtype=torch.int64, device=base.device), None,
-                     hidden=hidden.reshape(r, proposer.n_draft, -1))  # read by gated / rnn heads only
+                     hidden=hidden)  # read by gated / rnn heads only
     return run
 
 
