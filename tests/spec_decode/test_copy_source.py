@@ -83,36 +83,43 @@ def test_the_source_drafts_per_request_and_follows_each_request():
     texts = {"a": [1, 2, 3, 4, 1, 2], "b": [7, 7, 8]}
     order = ["a", "b"]
     # (request id, head, tail): the runner's array and this step's new tokens, split anywhere.
-    src = CopySource(lambda row: (order[row], texts[order[row]][:-1], texts[order[row]][-1:]), min_match=2,
-                     max_match=4)
+    src = CopySource(min_match=2, max_match=4)
     assert isinstance(src, DraftSource)
-    batch = DraftBatch(rows=[0, 1], anchors=None, num_tokens=3, sampled=np.zeros(2, bool))  # type: ignore[arg-type]
-    d = src.draft(batch)
+
+    def batch():
+        return DraftBatch(rows=[0, 1], anchors=None, num_tokens=3, sampled=np.zeros(2, bool),  # type: ignore[arg-type]
+                          texts={row: (order[row], texts[order[row]][:-1], texts[order[row]][-1:]) for row in (0, 1)})
+
+    d = src.draft(batch())
     assert d.source == "copy" and d.probs is None
     assert d.tokens[0].tolist() == [3, 4, 1] and d.tokens[1].tolist() == [0, 0, 0]
     assert d.confidence[0].tolist() == [pytest.approx(match_confidence(2))] * 3 and d.confidence[1].sum() == 0
     assert src.last_matches.tolist() == [2, 0]
     texts["a"] = texts["a"] + [3]  # one token accepted: indexed incrementally
     texts["b"] = [9, 9, 9]  # its text changed under us (recomputed): indexed anew
-    d = src.draft(batch)
+    d = src.draft(batch())
     assert d.tokens[0].tolist() == [4, 1, 2] and src.last_matches[0] == 3
     assert d.tokens[1].tolist() == [9, 0, 0]
     src.retain(["b"])
     assert list(src.indexes) == ["b"]
+    with pytest.raises(ValueError, match="no texts"):
+        src.draft(DraftBatch(rows=[0], anchors=None, num_tokens=3, sampled=np.zeros(1, bool)))  # type: ignore[arg-type]
 
 
 def test_head_and_tail_index_as_one_text():
     rng = random.Random(7)
     text = [rng.randrange(5) for _ in range(600)]
-    whole = CopySource(lambda row: ("r", text, ()), min_match=2, max_match=5)
-    split = {}
-    pieces = CopySource(lambda row: ("r", *split["r"]), min_match=2, max_match=5)
-    batch = DraftBatch(rows=[0], anchors=None, num_tokens=4, sampled=np.zeros(1, bool))  # type: ignore[arg-type]
+    whole = CopySource(min_match=2, max_match=5)
+    pieces = CopySource(min_match=2, max_match=5)
+
+    def batch(text_of_row):
+        return DraftBatch(rows=[0], anchors=None, num_tokens=4, sampled=np.zeros(1, bool),  # type: ignore[arg-type]
+                          texts={0: text_of_row})
+
     for end in (3, 300, 301, 420, 600):
         cut = max(0, end - rng.randrange(1, 4))
-        split["r"] = (np.asarray(text[:cut]), text[cut:end])
-        whole.tokens_of = lambda row, end=end: ("r", text[:end], ())
-        a, b = whole.draft(batch), pieces.draft(batch)
+        a = whole.draft(batch(("r", text[:end], ())))
+        b = pieces.draft(batch(("r", np.asarray(text[:cut]), text[cut:end])))
         assert torch.equal(a.tokens, b.tokens) and whole.last_matches.tolist() == pieces.last_matches.tolist()
         assert pieces.indexes["r"].tokens == text[:end]
 
@@ -183,9 +190,10 @@ def test_shared_text_is_bounded_and_keeps_the_newest():
 
 
 def test_a_request_copies_an_earlier_requests_output():
-    texts = {}
-    src = CopySource(lambda row: texts[row], min_match=2, max_match=4, shared=4096)
-    batch = DraftBatch(rows=[0], anchors=None, num_tokens=3, sampled=np.zeros(1, bool))  # type: ignore[arg-type]
+    texts: dict[int, tuple] = {}
+    src = CopySource(min_match=2, max_match=4, shared=4096)
+    batch = DraftBatch(rows=[0], anchors=None, num_tokens=3, sampled=np.zeros(1, bool),  # type: ignore[arg-type]
+                       texts=texts)  # the dict is read at each draft: filled below
     # Request a: prompt [1, 2, 3] (3 tokens), output [10, 11, 12, 13, 14].
     texts[0] = ("a", [1, 2, 3, 10, 11, 12, 13], [14], 3)
     src.draft(batch)

@@ -24,7 +24,7 @@ takes whichever of its own text and the shared text holds the longer match (its 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -178,17 +178,15 @@ class SharedText:
 class CopySource:
     """Drafts from each request's own text (a :class:`DraftSource`).
 
-    ``tokens_of(row)`` gives a batch row's request id and its accepted tokens so far (prompt and
-    output) as two pieces, ``head`` and ``tail`` (the runner's token array, which it reads without
-    a copy, and the few tokens this step added); the source extends its index by what is new since
-    the last step and drops the index of a request it no longer sees (:meth:`retain`).
+    Each batch row's request id and accepted tokens so far (prompt and output) come with the batch
+    (``DraftBatch.texts``) as two pieces, ``head`` and ``tail`` (the runner's token array, read
+    without a copy, and the few tokens this step added); the source extends its index by what is
+    new since the last step and drops the index of a request it no longer sees (:meth:`retain`).
     """
 
     name = COPY_SOURCE
 
-    def __init__(self, tokens_of: Callable[[int], tuple], *, min_match: int = 2, max_match: int = 8,
-                 shared: int | None = None):
-        self.tokens_of = tokens_of
+    def __init__(self, *, min_match: int = 2, max_match: int = 8, shared: int | None = None):
         self.min_match, self.max_match = min_match, max_match
         self.indexes: dict[str, SuffixIndex] = {}
         self.prompt_lens: dict[str, int] = {}
@@ -236,8 +234,10 @@ class CopySource:
         conf = torch.zeros(len(rows), n, dtype=torch.float32)
         matches = np.zeros(len(rows), dtype=np.int64)
         from_shared = np.zeros(len(rows), dtype=bool)
+        if batch.texts is None:
+            raise ValueError("CopySource.draft: the batch carries no texts (DraftBatch.texts) to copy from")
         for i, row in enumerate(rows):
-            req_id, head, tail, *rest = self.tokens_of(row)
+            req_id, head, tail, *rest = batch.texts[row]
             if rest:  # the prompt's length: what the shared text must not take (outputs only)
                 self.prompt_lens[req_id] = int(rest[0])
             idx = self._index(req_id, head, tail)

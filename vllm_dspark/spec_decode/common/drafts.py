@@ -33,7 +33,7 @@ runners only ever call :meth:`MarkovStage.draft` or :meth:`MarkovStage.draft_int
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -76,11 +76,15 @@ class DraftBatch:
     top_k: torch.Tensor | None = None  # [batch] int
     top_p: torch.Tensor | None = None  # [batch] fp32
     seeds: Callable[[list[int]], torch.Tensor] | None = None  # batch rows -> [len] int64 Gumbel seeds
+    # Batch row -> (req id, head, tail[, prompt length]): each request's accepted text, for sources that
+    # draft from it (the copy source). ``head`` is the runner's token array (read without a copy), ``tail``
+    # what this step added.
+    texts: Mapping[int, tuple] | None = None
 
 
 @runtime_checkable
 class DraftSource(Protocol):
-    """Anything that drafts: the Markov stage today, a copy source next."""
+    """Anything that drafts: the Markov stage (``MarkovStage``) and the copy source (``CopySource``)."""
 
     name: str
 

@@ -52,8 +52,8 @@ def copy_texts(runner, req_ids: list[str], cad, num_rejected, next_token_ids) ->
 
 def copy_offer(source: CopySource, req_ids: list[str], caps: list[int], texts: dict[int, tuple],
                next_token_ids, n: int) -> CopyOffer:
-    """The copy source's drafts for every request that may draft this step (``source.tokens_of``
-    reads ``texts``); the indexes of requests no longer in the batch are retired first."""
+    """The copy source's drafts for every request that may draft this step, from ``texts`` (carried in
+    the batch it drafts); the indexes of requests no longer in the batch are retired first."""
     source.retain(req_ids)
     rows = [i for i in range(len(req_ids)) if caps[i] > 0 and i in texts]
     tokens = torch.zeros(len(req_ids), n, dtype=torch.int64)
@@ -61,7 +61,7 @@ def copy_offer(source: CopySource, req_ids: list[str], caps: list[int], texts: d
     lengths = [0] * len(req_ids)
     if rows:
         got = source.draft(DraftBatch(rows=rows, anchors=next_token_ids, num_tokens=n,
-                                      sampled=np.zeros(len(req_ids), dtype=bool)))
+                                      sampled=np.zeros(len(req_ids), dtype=bool), texts=texts))
         tokens[rows], conf[rows] = got.tokens, got.confidence
         for j, i in enumerate(rows):
             lengths[i] = int((got.confidence[j] > 0).sum())

@@ -38,7 +38,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,15 +49,13 @@ from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power
 
 from vllm_dspark.serving.metrics import Publisher
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
-from vllm_dspark.spec_decode.common import budget
-from vllm_dspark.spec_decode.common.budget import Feedback, Plan, PlanMode
+from vllm_dspark.spec_decode.common.budget import Plan, PlanMode
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
-from vllm_dspark.spec_decode.common.copy_policy import CopyPolicy
 from vllm_dspark.spec_decode.common.copy_source import CopySource
 from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
-from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
-from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
+from vllm_dspark.spec_decode.common.planner import CopyDrafts, StepPlanner
+from vllm_dspark.spec_decode.common.sources import COPY_SOURCE
 from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_texts, merge_copies
@@ -87,25 +85,11 @@ class Decision:
     copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
 
 
-@dataclass(frozen=True)
-class SentDrafts:
-    """A request's drafts sent to the target, awaiting the verify step's verdict."""
-
-    confidence: list[float]
-    kept: int
-    sampled: bool
-    source: str
-
-
 @dataclass
 class StepState:
     """What the proposer carries between its entry points: the runner's ``mark_step_start``,
     ``propose_before_glue`` (a step decided before the draft glue) and ``propose``."""
 
-    step: int = 0  # steps decided so far (the trace's step number)
-    sent: dict[str, SentDrafts] = field(default_factory=dict)  # req id -> drafts the next step judges
-    sent_kind: PlanMode = PlanMode.SKIP  # the plan of the step that sent them
-    copy_kind: PlanMode = PlanMode.SKIP  # how that step sent its copies (probe or allocation)
     last_end: float | None = None  # when the previous propose returned
     step_start: float | None = None  # when the runner's execute_model began (None: no runner patch)
     decided: Decision | None = None  # made by propose_before_glue, used by the step's propose
@@ -136,25 +120,24 @@ class DSparkProposer(DFlashProposer):
         self.block = s.block_size
         self.n_draft = s.num_draft_tokens
         self.anchor_first = s.query_layout == "anchor_first"
-        self.stats = VerifyStats()
-        self.policy = budget.BudgetPolicy(self.n_draft, budget.TrustConfig(**s.trust()))
+        # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
+        self.consensus = Consensus()
+        # The step's decisions (budget, copy policy, verification rules, counters, drafts awaiting their
+        # verdict): torch-free, apart from this adapter.
+        self.planner = StepPlanner(s, self.n_draft, self.consensus.decide)
+        self.stats, self.policy, self.copy_policy = self.planner.stats, self.planner.policy, self.planner.copy_policy
         self.calibrator = self.policy.calibrator
         self.copy_source: CopySource | None = None
-        self.copy_policy: CopyPolicy | None = None
         if s.copies:
-            self.copy_source = CopySource(self._copy_tokens, min_match=s.copy_min_match,
-                                          max_match=max(8, s.copy_min_match), shared=s.copy_shared)
-            self.copy_policy = CopyPolicy(self.policy)
+            self.copy_source = CopySource(min_match=s.copy_min_match, max_match=max(8, s.copy_min_match),
+                                          shared=s.copy_shared)
         elif s.copy == "auto":
             logger.info("vllm_dspark: copy: auto drafts with verification 'budget' only (which weighs the copy "
                         "against the drafter); with %r the drafter drafts alone", s.verification)
-        self._copy_rows: dict[int, tuple] = {}  # batch row -> (req id, accepted prefix, tail) this step
         self.costs: CostModel | None = None
         if s.costs is not None:
             self.costs = CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
-            self.policy.costs = self.costs
-        # TP: decisions that change what ranks execute are made on rank 0 and broadcast.
-        self.consensus = Consensus()
+            self.planner.costs = self.costs
         # Per-source acceptance for /metrics (serving/metrics.py), labelled as vLLM labels its own.
         self.metrics = Publisher(model_name=str(getattr(vllm_config.model_config, "served_model_name", "") or ""))
         self._hook: dict | None = None  # the TP test's divergence hook, read once the TP group exists
@@ -186,7 +169,7 @@ class DSparkProposer(DFlashProposer):
         from vllm_dspark.spec_decode.common.profile import profile_or_load
 
         self.costs = profile_or_load(self, self.consensus, self._divergence())
-        self.policy.costs = self.costs
+        self.planner.costs = self.costs
         logger.info("vllm_dspark: budget cost model (%s): verify %s s by tokens, draft %s s by requests",
                     self.costs.source, [(n, round(t, 4)) for n, t in self.costs.verify],
                     [(n, round(t, 4)) for n, t in self.costs.draft])
@@ -264,9 +247,8 @@ class DSparkProposer(DFlashProposer):
             t = self._lap("context_kv_only", t)
             if d.copy is None or not any(d.plan.copy_kept):
                 return self._no_drafts(d)
-            kept = list(d.plan.copy_kept)
-            return self._record(d, d.copy.drafts, kept, next_token_ids, t, t_layout,
-                                [COPY_SOURCE if k else MODEL_SOURCE for k in kept])
+            kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, None, _copy_view(d.copy))
+            return self._record(d, d.copy.drafts, kept, next_token_ids, t, t_layout, picks)
 
         probed = d.plan.mode is PlanMode.PROBE and len(d.plan.rows) < d.batch and mm_embed_inputs is None
         if probed:  # the probed requests' query blocks alone (their context K/V is stored for all)
@@ -337,48 +319,17 @@ class DSparkProposer(DFlashProposer):
         return _widen(drafts, d.batch, idx, n)
 
     def _allocate(self, d: Decision, drafts: Drafts) -> tuple[list[int], list[str]]:
-        """Drafts to verify per request and the source each request's come from: a probe's fixed few
-        (and the copies the plan sends beside it), or the verification rule's choice (with copies:
-        the budget's choice among both sources)."""
-        plan = d.plan
-        if plan.mode is PlanMode.PROBE:
-            kept = self.policy.probe_kept(plan, d.caps)
-            picks = [MODEL_SOURCE] * d.batch
-            for i, k in enumerate(plan.copy_kept):
-                if k and not kept[i]:
-                    kept[i], picks[i] = k, COPY_SOURCE
-            return kept, picks
-        if d.copy is None or COPY_SOURCE not in (plan.sources or ()):
-            return self._verify(drafts.confidence, d.caps, d.sampled), [MODEL_SOURCE] * d.batch
-        copy = d.copy
-        confs = {MODEL_SOURCE: drafts.confidence.cpu().numpy().astype(np.float64),
-                 COPY_SOURCE: copy.drafts.confidence.numpy().astype(np.float64)}
-        probed = list(plan.copy_kept) or [0] * d.batch  # rows probing the copy keep their probe
-        caps = [0 if p else c for c, p in zip(d.caps, probed, strict=True)]
-
-        def choose() -> tuple[list[int], list[str]]:
-            alloc, picks = self.policy.choose_among(confs, caps, d.sampled)
-            kept = [min(k, copy.lengths[i]) if p == COPY_SOURCE else k
-                    for i, (k, p) in enumerate(zip(alloc.kept, picks, strict=True))]
-            for i, k in enumerate(probed):
-                if k:
-                    kept[i], picks[i] = k, COPY_SOURCE
-            return kept, picks
-
-        kept, picks = self.consensus.decide(choose)
-        return list(kept), list(picks)
+        """Drafts to verify per request and the source of each (:meth:`StepPlanner.allocate`)."""
+        conf = drafts.confidence.cpu().numpy().astype(np.float64)
+        return self.planner.allocate(d.plan, d.caps, d.sampled, conf, _copy_view(d.copy))
 
     def _record(self, d: Decision, drafts: Drafts, kept: list[int], next_token_ids, t: float,
                 t_layout: float, picks: list[str]) -> list[list[int]]:
         """Counters, the feedback the next step awaits, the trace and the drafter's observed cost.
         ``picks``: the source of each request's drafts."""
-        self.stats.add_step(drafted=True, cap=d.cap, kept=kept,
-                            probe=d.plan.mode is PlanMode.PROBE or not d.plan.drafter_runs)
         conf_l = drafts.confidence.tolist()
         tok_l = drafts.tokens.tolist()
-        self.state.sent = {rid: SentDrafts(conf_l[i], kept[i], bool(d.sampled[i]), picks[i])
-                           for i, rid in enumerate(d.req_ids) if kept[i] > 0}
-        self.state.sent_kind, self.state.copy_kind = d.plan.mode, d.plan.copy_mode
+        self.planner.record(d.req_ids, d.plan, d.cap, kept, picks, conf_l, d.sampled)
         if drafts.probs is not None:
             self._last_draft_probs = drafts.probs
         if self.settings.trace_path:
@@ -408,7 +359,6 @@ class DSparkProposer(DFlashProposer):
             self.timings["outside_propose"] += t0 - st.last_end  # the target's step, sampling, scheduling
         batch = cad.batch_size()
         req_ids = self._req_ids(batch)
-        st.step += 1
         self._feedback(req_ids, cad, num_rejected, t0)
         cap = max(0, min(self.settings.max_draft_tokens, int(num_speculative_tokens)))
         self._last_draft_probs = None
@@ -418,10 +368,10 @@ class DSparkProposer(DFlashProposer):
         offer = None
         if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
             t_copy = time.perf_counter()
-            self._copy_rows = copy_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
-            offer = copy_offer(self.copy_source, req_ids, caps, self._copy_rows, next_token_ids, self.n_draft)
+            texts = copy_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
+            offer = copy_offer(self.copy_source, req_ids, caps, texts, next_token_ids, self.n_draft)
             self._lap("copy_source", t_copy)
-        plan = self._plan(caps, sampled, offer)
+        plan = self.planner.plan(caps, sampled, _copy_view(offer))
         t1 = time.perf_counter()
         self.timings["feedback"] += t1 - t0
         return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offer)
@@ -439,7 +389,7 @@ class DSparkProposer(DFlashProposer):
         step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`.
         """
         st = self.state
-        if st.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
+        if self.planner.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
             return None  # feedback needs the rejected counts, or the first hold checks the layout
         if self.copy_source is not None:
             return None  # the copy weighs this step's new token, which the glue prepares
@@ -464,8 +414,7 @@ class DSparkProposer(DFlashProposer):
 
     def _no_drafts(self, d: Decision) -> list[list[int]]:
         """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
-        self.stats.add_step(drafted=False, cap=d.cap, kept=[0] * d.batch)
-        self.state.sent, self.state.sent_kind, self.state.copy_kind = {}, PlanMode.SKIP, PlanMode.SKIP
+        self.planner.record_none(d.cap, d.batch)
         self.state.last_end = time.perf_counter()
         self._maybe_log()
         return [[] for _ in range(d.batch)]
@@ -518,29 +467,6 @@ class DSparkProposer(DFlashProposer):
     def _draft_time_scale(self) -> float:
         return float(self._divergence().get("draft_time_scale", 1.0))
 
-    def _plan(self, caps: list[int], sampled: np.ndarray, offer: CopyOffer | None = None) -> Plan:
-        """What this step runs, the same on every TP rank (the copy's offer is: every rank indexes
-        the same tokens)."""
-        if max(caps, default=0) <= 0:
-            return budget.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
-        if self.settings.verification != "budget":
-            return budget.DRAFT
-        if self.costs is None:
-            raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
-                               "hook did not run (is the vllm_dspark plugin registered in the worker?)")
-
-        def plan() -> tuple:
-            p = self.policy.plan(caps, sampled)
-            if offer is not None and self.copy_policy is not None and any(offer.lengths):
-                p = self.copy_policy.plan(p, offer.drafts.confidence.numpy(), offer.lengths, caps, sampled)
-            return p.to_wire()
-
-        return Plan.from_wire(self.consensus.decide(plan))
-
-    # ------------------------------------------------------------------ the copy source
-    def _copy_tokens(self, row: int) -> tuple[str, Sequence[int], Sequence[int], int]:
-        return self._copy_rows[row]
-
     def mark_step_start(self) -> None:
         """The runner's ``execute_model`` began (``v1-runner-step-clock`` patch).
 
@@ -562,27 +488,8 @@ class DSparkProposer(DFlashProposer):
             start = st.last_end if st.step_start is None else max(st.last_end, st.step_start)
             self.costs.observe_verify(int(cad.num_actual_tokens), t0 - start)
             self._check_stale()
-        if not st.sent:
-            return
-        rej = num_rejected.tolist() if num_rejected is not None else None
-        records, results = [], []
-        for i, rid in enumerate(req_ids):
-            sent = st.sent.get(rid)
-            if sent is None:
-                continue
-            kept = sent.kept
-            accepted = kept if rej is None else max(0, min(kept, kept - int(rej[i])))
-            results.append(Feedback(sent.confidence, kept, accepted, sent.sampled, sent.source))
-            self.stats.add_acceptance(kept, accepted, sent.source)
-            if self.settings.trace_path:
-                records.append({"step": st.step, "req_id": rid, "verified": kept, "accepted": accepted,
-                                "confidence": sent.confidence[:kept], "sampled": sent.sampled,
-                                "kind": str(st.copy_kind if sent.source == COPY_SOURCE else st.sent_kind),
-                                "source": sent.source})
-        # Every rank learns from the same acceptances; only the deciding rank's policy decides.
-        self.policy.feedback(st.sent_kind, results)
-        if self.copy_policy is not None:
-            self.copy_policy.feedback(st.copy_kind, results)
+        rej = num_rejected.tolist() if num_rejected is not None and self.planner.sent else None
+        records = self.planner.feedback(req_ids, rej, trace=bool(self.settings.trace_path))
         if records:
             self._write_trace(records)
 
@@ -642,21 +549,10 @@ class DSparkProposer(DFlashProposer):
                 out.append(_unseeded_draft_seed(self._seed_base, str(rid), int(positions[r])))
         return torch.tensor(out, dtype=torch.int64)
 
-    def _verify(self, conf: torch.Tensor, caps: list[int], sampled: np.ndarray) -> list[int]:
-        """How many of each request's drafts the target verifies, by the verification setting."""
-        s = self.settings
-        c = conf.cpu().numpy().astype(np.float64)
-        if s.verification != "budget":
-            # A function of the confidences alone; the decider's list is still what every rank keeps,
-            # so the ranks' feedback and counters cannot drift apart by a rounding difference.
-            kept = rule_lengths(c, caps, s.verification, s.threshold)
-            return kept if s.verification == "fixed" else list(self.consensus.decide(lambda: kept))
-        return list(self.consensus.decide(lambda: self.policy.choose(c, caps, sampled).kept))
-
     # ------------------------------------------------------------------ observability
     def _trace(self, req_ids, anchors, tokens, conf, kept, sampled, picks) -> None:
         pos = self._trace_positions
-        recs = [{"step": self.state.step, "plan": str(self.state.sent_kind), "pid": os.getpid(), "req_id": rid,
+        recs = [{"step": self.planner.step, "plan": str(self.planner.sent_kind), "pid": os.getpid(), "req_id": rid,
                  "pos": pos[i], "anchor": anchors[i],
                  "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
                  "verification": self.settings.verification, "threshold": self.settings.threshold,
@@ -726,3 +622,7 @@ def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
         probs[rows, :k] = drafts.probs
     return Drafts(tokens, conf, probs, drafts.source, drafts.path)
 
+
+def _copy_view(offer: CopyOffer | None) -> CopyDrafts | None:
+    """What the planner reads of the copy's offer (NumPy, as the policies take it)."""
+    return None if offer is None else CopyDrafts(offer.drafts.confidence.numpy(), offer.lengths)
