@@ -21,7 +21,7 @@ from vllm_dspark.tools.tiny_pair import bigram_chain
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "batch_generate.py"
 MAX_TOKENS = 40
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 
 
 def write_prompts(path: Path, n: int) -> Path:

@@ -28,7 +28,7 @@ import time
 import pytest
 import torch
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.ray, pytest.mark.engine, pytest.mark.timeout(900)]
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
 

@@ -12,6 +12,8 @@ import pytest
 from tests.helpers import tiny_pair
 from vllm_dspark.tools.tiny_pair import make_drafter
 
+pytestmark = pytest.mark.engine  # each case builds an LLM (refused at start-up, or started)
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
