@@ -19,7 +19,7 @@ import pytest
 from vllm_dspark.spec_decode.common import costs as C
 from vllm_dspark.spec_decode.common import profile as P
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
-from vllm_dspark.spec_decode.v1.proposer import _unseeded_draft_seed
+from vllm_dspark.spec_decode.v1.step_inputs import unseeded_draft_seed as _unseeded_draft_seed
 
 CACHED = {"verify": [[1, 0.001], [8, 0.002]], "draft": [[1, 0.0005], [4, 0.001]], "source": "x"}
 

@@ -141,7 +141,8 @@ CELLS = [(layout, vocab, head) for layout in LAYOUTS for vocab in VOCABS for hea
 def test_the_cell_profiles_and_drafts_the_targets_continuation(pair, vllm_groups, tmp_path, layout, vocab, head):
     from vllm_dspark.spec_decode.common import profile
     from vllm_dspark.spec_decode.common.budget import Plan, PlanMode
-    from vllm_dspark.spec_decode.v1.proposer import Decision, DSparkProposer
+    from vllm_dspark.spec_decode.v1.proposer import DSparkProposer
+    from vllm_dspark.spec_decode.v1.step_state import Decision
 
     vc, model = _build(pair, tmp_path, layout, vocab, head)
     p, s = _stand_in(vc, model)

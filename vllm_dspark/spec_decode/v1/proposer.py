@@ -32,20 +32,14 @@ Settings come from one :class:`~vllm_dspark.serving.settings.DSparkSettings`.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import numpy as np
 import torch
 from vllm.forward_context import set_forward_context
-from vllm.v1.attention.backend import CommonAttentionMetadata
 from vllm.v1.spec_decode.dflash import DFlashProposer
-from vllm.v1.spec_decode.utils import _copy_and_expand_dflash_inputs, next_power_of_2
 
 from vllm_dspark.serving.metrics import Publisher
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
@@ -56,11 +50,14 @@ from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
 from vllm_dspark.spec_decode.common.planner import CopyDrafts, StepPlanner
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE
+from vllm_dspark.spec_decode.v1 import step_inputs as SI
 from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_texts, merge_copies
+from vllm_dspark.spec_decode.v1.layout import lay_out_queries
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
 from vllm_dspark.spec_decode.v1.probe_block import probe_queries
+from vllm_dspark.spec_decode.v1.step_state import Decision, StepState
 
 logger = logging.getLogger("vllm_dspark")
 
@@ -69,40 +66,6 @@ logger = logging.getLogger("vllm_dspark")
 # greedy rows' op, the sampled rows.
 PARTS = ("block.metadata", "block.context_kv", "stage.lm_head", "stage.confidence", "stage.markov_op",
          "stage.sampled")
-
-
-@dataclass(frozen=True)
-class Decision:
-    """What the start of a step decided (``DSparkProposer._decide``)."""
-
-    t1: float  # the plan was made (the step's feedback and plan are timed up to here)
-    batch: int
-    req_ids: list[str]
-    cap: int  # the scheduler's draft cap for this step
-    caps: list[int]  # per request: the cap, or 0 past max_draft_context
-    sampled: np.ndarray  # [batch] bool
-    plan: Plan
-    copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
-
-
-@dataclass
-class StepState:
-    """What the proposer carries between its entry points: the runner's ``mark_step_start``,
-    ``propose_before_glue`` (a step decided before the draft glue) and ``propose``."""
-
-    last_end: float | None = None  # when the previous propose returned
-    step_start: float | None = None  # when the runner's execute_model began (None: no runner patch)
-    decided: Decision | None = None  # made by propose_before_glue, used by the step's propose
-    hold_ok: bool = True  # steps without drafts may hold their context (context_kv)
-    hold_checked: bool = False  # the first hold checked the runner's slot layout
-    step_marks: int = 0
-    before_glue_steps: int = 0
-    rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
-    probe_blocks_cut: int = 0  # probes whose block forward ran on the probed requests alone (probe_block)
-
-    def take_decision(self) -> Decision | None:
-        d, self.decided = self.decided, None
-        return d
 
 
 class DSparkProposer(DFlashProposer):
@@ -177,45 +140,9 @@ class DSparkProposer(DFlashProposer):
     # ------------------------------------------------------------------ layout
     def set_inputs_first_pass(self, target_token_ids, next_token_ids, target_positions, target_hidden_states,
                               token_indices_to_sample, cad, num_rejected_tokens_gpu):
-        """Lay out ``block_size`` queries per request: [anchor, mask x (block - 1)].
-
-        Context states become K/V only (``_dflash_hidden_states``); the query rows
-        sampled are all of them (anchor-first) or the masks (1 + N layout).
-        """
-        batch = cad.batch_size()
-        num_context = target_token_ids.shape[0]
-        per_req = self.block
-        total = batch * per_req
-        self._dflash_num_context = num_context
-        self._dflash_hidden_states = target_hidden_states
-        mask_rows = torch.empty(batch * (per_req - 1), dtype=torch.int32, device=self.device)
-        max_tokens = cad.max_query_len + per_req
-        has_rej = num_rejected_tokens_gpu is not None
-        _copy_and_expand_dflash_inputs(
-            next_token_ids_ptr=next_token_ids, target_positions_ptr=target_positions,
-            out_input_ids_ptr=self.input_ids, out_context_positions_ptr=self._context_positions_buffer,
-            out_query_positions_ptr=self.positions,
-            out_context_slot_mapping_ptr=self._context_slot_mapping_buffer,
-            out_query_slot_mapping_ptr=self._slot_mapping_buffer, out_token_indices_ptr=mask_rows,
-            block_table_ptr=cad.block_table_tensor, query_start_loc_ptr=cad.query_start_loc,
-            num_rejected_tokens_ptr=num_rejected_tokens_gpu if has_rej else 0,
-            block_table_stride=cad.block_table_tensor.stride(0),
-            parallel_drafting_token_id=self.parallel_drafting_token_id, block_size=self.block_size,
-            num_query_per_req=per_req, num_speculative_tokens=per_req - 1, total_input_tokens=num_context,
-            max_tokens_per_req=max_tokens, triton_block_size=min(256, next_power_of_2(max_tokens)),
-            has_num_rejected=has_rej)
-        rows = self.arange[:total].to(torch.int32) if self.anchor_first else mask_rows
-        seq_lens = cad.seq_lens - num_rejected_tokens_gpu if has_rej else cad.seq_lens
-        upper = cad.seq_lens_cpu_upper_bound
-        new_cad = CommonAttentionMetadata(
-            query_start_loc=self.arange[: batch + 1] * per_req,
-            seq_lens=seq_lens + per_req,
-            query_start_loc_cpu=torch.from_numpy(self.token_arange_np[: batch + 1]).clone() * per_req,
-            seq_lens_cpu_upper_bound=None if upper is None else upper + per_req,
-            num_reqs=cad.num_reqs, num_actual_tokens=total, max_query_len=per_req,
-            max_seq_len=cad.max_seq_len + per_req, block_table_tensor=cad.block_table_tensor,
-            slot_mapping=self._slot_mapping_buffer[:total], causal=self.dflash_causal)
-        return total, rows, new_cad
+        """Lay out ``block_size`` queries per request (:func:`.layout.lay_out_queries`)."""
+        return lay_out_queries(self, target_token_ids, next_token_ids, target_positions, target_hidden_states, cad,
+                               num_rejected_tokens_gpu)
 
     # ------------------------------------------------------------------ one step
     def propose(self, num_speculative_tokens, target_token_ids, target_positions, target_hidden_states,
@@ -312,7 +239,7 @@ class DSparkProposer(DFlashProposer):
         batch = DraftBatch(rows=idx, anchors=next_token_ids[:d.batch], num_tokens=k, sampled=d.sampled,
                            hidden=hidden, temperature=temps, top_k=getattr(sampling_metadata, "top_k", None),
                            top_p=getattr(sampling_metadata, "top_p", None),
-                           seeds=lambda r: self._draft_seeds(r, cad))
+                           seeds=lambda r: SI.draft_seeds(self.runner, r, cad, self._seed_base))
         drafts = self.markov_stage.draft(batch)
         if plan.mode is not PlanMode.PROBE:
             return drafts
@@ -333,7 +260,10 @@ class DSparkProposer(DFlashProposer):
         if drafts.probs is not None:
             self._last_draft_probs = drafts.probs
         if self.settings.trace_path:
-            self._trace(d.req_ids, next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled, picks)
+            SI.write_trace(self.settings.trace_path, SI.draft_records(
+                self.planner.step, str(self.planner.sent_kind), d.req_ids, self._trace_positions,
+                next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled, picks, self.settings,
+                self.markov_stage.last_path))
         end = time.perf_counter()
         self.timings["verify"] += end - t
         if self.costs is not None and d.plan.mode is PlanMode.DRAFT and d.plan.drafter_runs:
@@ -358,13 +288,14 @@ class DSparkProposer(DFlashProposer):
         if st.last_end is not None:
             self.timings["outside_propose"] += t0 - st.last_end  # the target's step, sampling, scheduling
         batch = cad.batch_size()
-        req_ids = self._req_ids(batch)
+        req_ids = SI.req_ids(self.runner, batch)
         self._feedback(req_ids, cad, num_rejected, t0)
         cap = max(0, min(self.settings.max_draft_tokens, int(num_speculative_tokens)))
         self._last_draft_probs = None
-        gated = self._context_gate(cad, batch)
+        gated = SI.past_context_gate(self.settings.max_draft_context, cad, batch)
         caps = [0 if g else cap for g in gated]
-        sampled = self._sampled_requests(sampling_metadata, batch).numpy()
+        sampled = SI.sampled_requests(self.settings.draft_sampling, self._enable_probabilistic_draft_probs,
+                                      sampling_metadata, batch).numpy()
         offer = None
         if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
             t_copy = time.perf_counter()
@@ -447,18 +378,6 @@ class DSparkProposer(DFlashProposer):
         self.pending.hold(req_ids, target_hidden_states, positions, slots)
 
     # ------------------------------------------------------------------ pieces
-    def _req_ids(self, batch: int) -> list[str]:
-        if self.runner is not None:
-            return list(self.runner.input_batch.req_ids[:batch])
-        return [str(i) for i in range(batch)]
-
-    def _context_gate(self, cad, batch: int) -> list[bool]:
-        gate = self.settings.max_draft_context
-        if gate is None:
-            return [False] * batch
-        lens = cad.seq_lens_cpu_upper_bound if cad.seq_lens_cpu_upper_bound is not None else cad.seq_lens
-        return [int(x) > gate for x in lens[:batch].tolist()]
-
     def _divergence(self) -> dict:
         if self._hook is None:
             self._hook = divergence_for_rank(self.consensus.rank)
@@ -489,9 +408,10 @@ class DSparkProposer(DFlashProposer):
             self.costs.observe_verify(int(cad.num_actual_tokens), t0 - start)
             self._check_stale()
         rej = num_rejected.tolist() if num_rejected is not None and self.planner.sent else None
-        records = self.planner.feedback(req_ids, rej, trace=bool(self.settings.trace_path))
-        if records:
-            self._write_trace(records)
+        trace = self.settings.trace_path
+        records = self.planner.feedback(req_ids, rej, trace=bool(trace))
+        if trace and records:
+            SI.write_trace(trace, records)
 
     def _check_stale(self) -> None:
         """A profile the online corrections keep disowning: drop its cache entry, fold the corrections in."""
@@ -525,49 +445,7 @@ class DSparkProposer(DFlashProposer):
             self._stage.lap = self._lap
         return self._stage
 
-    def _sampled_requests(self, sampling_metadata, batch: int) -> torch.Tensor:
-        temps = getattr(sampling_metadata, "temperature", None)
-        if (self.settings.draft_sampling == "greedy" or sampling_metadata.all_greedy or temps is None
-                or not self._enable_probabilistic_draft_probs):
-            return torch.zeros(batch, dtype=torch.bool)
-        return (temps[:batch] > 0).cpu()
-
-    def _draft_seeds(self, rows: list[int], cad) -> torch.Tensor:
-        """Gumbel seeds, a function of data every TP rank holds alike (never drawn from a generator):
-        a seeded request's own seed mixed with its anchor position (reproducible alone or in any batch,
-        and independent of the target's sampling stream); an unseeded one's id, position and the
-        engine's seed."""
-        positions = cad.seq_lens[: cad.batch_size()].to(torch.int64).tolist()
-        out = []
-        for r in rows:
-            rid = self.runner.input_batch.req_ids[r] if self.runner is not None else str(r)
-            state = self.runner.requests.get(rid) if self.runner is not None else None
-            seed = getattr(getattr(state, "sampling_params", None), "seed", None)
-            if seed is not None:
-                out.append((int(seed) & 0xFFFFFFFF) ^ (int(positions[r]) << 32))
-            else:
-                out.append(_unseeded_draft_seed(self._seed_base, str(rid), int(positions[r])))
-        return torch.tensor(out, dtype=torch.int64)
-
     # ------------------------------------------------------------------ observability
-    def _trace(self, req_ids, anchors, tokens, conf, kept, sampled, picks) -> None:
-        pos = self._trace_positions
-        recs = [{"step": self.planner.step, "plan": str(self.planner.sent_kind), "pid": os.getpid(), "req_id": rid,
-                 "pos": pos[i], "anchor": anchors[i],
-                 "draft": tokens[i], "confidence": conf[i], "kept": kept[i], "sampled": bool(sampled[i]),
-                 "verification": self.settings.verification, "threshold": self.settings.threshold,
-                 # Sampled drafts are drawn by draft_sampling (dense, per position), greedy ones by the op.
-                 "source": picks[i],
-                 "path": "copy" if picks[i] == COPY_SOURCE else
-                 "sampled" if sampled[i] else self.markov_stage.last_path}
-                for i, rid in enumerate(req_ids)]
-        self._write_trace(recs)
-
-    def _write_trace(self, records: Sequence[dict]) -> None:
-        with open(self.settings.trace_path, "a") as f:  # type: ignore[arg-type]
-            for r in records:
-                f.write(json.dumps(r) + "\n")
-
     def _maybe_log(self) -> None:
         if self.consensus.rank == 0:  # every rank counts the same acceptances; one publishes them
             self.metrics.maybe_publish(lambda: self.stats.as_dict()["by_source"])
@@ -600,13 +478,6 @@ class DSparkProposer(DFlashProposer):
                 "copy": None if self.copy_policy is None or self.copy_source is None
                 else {**self.copy_policy.report(), "source": self.copy_source.report()},
                 "profile": self.profile_info, "settings": self.settings.to_dict()}
-
-
-def _unseeded_draft_seed(base: int, req_id: str, position: int) -> int:
-    """A 62-bit draft seed from the engine's seed, the request id and the anchor position (the same
-    on every rank and in every process: no Python ``hash``, whose salt differs per process)."""
-    digest = hashlib.blake2b(f"{base}:{req_id}:{position}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2 ** 62 - 1)
 
 
 def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:

@@ -1,0 +1,44 @@
+"""What V1's proposer decides at the start of a step, and what it carries between its entry points."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_dspark.spec_decode.common.budget import Plan
+from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the start of a step decided (``DSparkProposer._decide``)."""
+
+    t1: float  # the plan was made (the step's feedback and plan are timed up to here)
+    batch: int
+    req_ids: list[str]
+    cap: int  # the scheduler's draft cap for this step
+    caps: list[int]  # per request: the cap, or 0 past max_draft_context
+    sampled: np.ndarray  # [batch] bool
+    plan: Plan
+    copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
+
+
+@dataclass
+class StepState:
+    """What the proposer carries between its entry points: the runner's ``mark_step_start``,
+    ``propose_before_glue`` (a step decided before the draft glue) and ``propose``."""
+
+    last_end: float | None = None  # when the previous propose returned
+    step_start: float | None = None  # when the runner's execute_model began (None: no runner patch)
+    decided: Decision | None = None  # made by propose_before_glue, used by the step's propose
+    hold_ok: bool = True  # steps without drafts may hold their context (context_kv)
+    hold_checked: bool = False  # the first hold checked the runner's slot layout
+    step_marks: int = 0
+    before_glue_steps: int = 0
+    rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
+    probe_blocks_cut: int = 0  # probes whose block forward ran on the probed requests alone (probe_block)
+
+    def take_decision(self) -> Decision | None:
+        d, self.decided = self.decided, None
+        return d
