@@ -17,7 +17,7 @@ Each arm changes one thing against ``baseline`` (today's recipe, ``docs/training
 
 Every arm runs the same number of steps with its own cosine schedule, so arms compare at equal
 work whatever else the machine ran; blocks per second are recorded beside (they do depend on it).
-Arms resume from their checkpoints (``<work-dir>/probes/<arm>``); the record is rewritten after
+Arms resume from their checkpoints (``<work-dir>/probes/<arm>-shard<N>-steps<S>``); the record is rewritten after
 each arm, so a session cut short leaves the arms it finished.
 """
 
@@ -126,15 +126,23 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids) -> d
     model = init_drafter(cfg, seed=args.seed)
     with torch.no_grad():
         model.norm.weight.copy_(final_norm)
-    targs = TrainArgs(steps=args.steps, seed=args.seed, eval_every=10**9, served_walk_tokens=0,
+    targs = TrainArgs(steps=args.steps, seed=args.seed, eval_every=args.eval_every or 10**9,
+                      served_walk_tokens=4096 if args.eval_every else 0,
                       **({"w_ce": 1.0, "w_l1": 0.3} if arm == "ce" else {}))
     convs = [i for i, r in enumerate(rows) if float(r.get("temperature", 0.0)) == 0.0] if arm == "greedy" else None
-    run_dir = work / "probes" / arm
+    run_dir = work / "probes" / f"{arm}-shard{args.shard_convs}-steps{args.steps}"
     if arm == "warm" and not (run_dir / "ckpt.pt").exists():
         warm_start(model, args.assets_dir / "dspark", aux_scale(train_fs))
     t0 = time.time()
-    rec = train(model, embed, embed, train_fs, {}, targs, run_dir, log=log, conversations=convs,
-                draft_ids=draft_ids if arm == "draftvocab" else None)
+    curve_sets = {}
+    if args.eval_every:  # the curve: teacher-forced and the walk over each set's first 4,096 tokens
+        from vllm_dspark.tools.training.trainer import eval_anchors
+
+        curve_sets = {n.removeprefix("eval_"): (sets[n][0], eval_anchors(sets[n][0], cfg.block_size, 768, seed=1))
+                      for n in WALK_SETS}
+    rec = train(model, embed, embed, train_fs, curve_sets, targs, run_dir, log=log, conversations=convs,
+                draft_ids=draft_ids if arm == "draftvocab" else None,
+                stop_after_s=args.stop_after_min * 60 if args.stop_after_min else None)
     log(f"[{arm}] {rec['steps_run']} steps, {rec['blocks']:,} blocks in {rec['train_seconds'] / 60:.1f} min "
         f"(this call {(time.time() - t0) / 60:.1f} min)")
     ck = torch.load(run_dir / "ckpt.pt", weights_only=False)
@@ -142,10 +150,44 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids) -> d
     log(f"[{arm}] walk " + ", ".join(f"{k} {v['walk']['accept_len']:.3f} [{v['walk']['lo']:.3f}, "
                                      f"{v['walk']['hi']:.3f}]" for k, v in ev.items()))
     last = [r for r in rec["curve"] if not r.get("full_vocab")][-1]
-    return {"arm": arm, "steps": rec["steps_run"], "blocks": rec["blocks"], "train_seconds": rec["train_seconds"],
+    out = {"arm": arm, "steps": rec["steps_run"], "blocks": rec["blocks"], "train_seconds": rec["train_seconds"],
             "blocks_per_s": round(rec["blocks"] / max(rec["train_seconds"], 1e-9), 1),
             "conversations": len(convs) if convs is not None else len(train_fs),
-            "final_loss": last["loss"], "final_tv": last["tv"], "args": rec["args"], "eval": ev}
+            "final_loss": last["loss"], "final_tv": last["tv"], "args": rec["args"], "eval": ev,
+           "finished": rec["finished"], "curve": [r for r in rec["curve"] if "eval" in r]}
+    if args.export_if_better:
+        out["export"] = export_if_better(args, work, arm, model, ck["aux_scale"], sets, embed)
+    return out
+
+
+def export_if_better(args, work: Path, arm: str, model, scale, sets, embed) -> dict:
+    """Export the arm's drafter (bf16, the aux scale folded in), walk the export itself, and ship it
+    into ``--assets-dir/dspark`` (its frequency table kept) when it beats the shipped drafter on the
+    walk on both sets."""
+    import copy
+    import shutil
+
+    from vllm_dspark.checkpoint.io import load_reference_model
+    from vllm_dspark.tools.training.export import export_drafter
+    from vllm_dspark.tools.training.trainer import fold_aux_scale
+
+    m = copy.deepcopy(model)
+    fold_aux_scale(m, scale)
+    where = work / "probes" / f"export-{arm}-shard{args.shard_convs}-steps{args.steps}"
+    out = export_drafter(m.eval(), where, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    ev = walk_eval(load_reference_model(out).eval(), sets, embed, None)
+    shipped = shipped_row(args, sets, embed)["eval"]
+    better = all(ev[k]["walk"]["accept_len"] > shipped[k]["walk"]["accept_len"] for k in ("chat", "humaneval"))
+    log(f"[{arm}] export walk " + ", ".join(f"{k} {ev[k]['walk']['accept_len']:.3f} (shipped "
+                                           f"{shipped[k]['walk']['accept_len']:.3f})" for k in ev)
+        + ("; shipping it" if better else "; the shipped drafter stays"))
+    if better:
+        dst = args.assets_dir / "dspark"
+        for name in ("config.json", "model.safetensors"):
+            tmp = dst / f"{name}.tmp"
+            shutil.copyfile(Path(out) / name, tmp)
+            tmp.replace(dst / name)
+    return {"eval": ev, "shipped_before": shipped, "shipped": better}
 
 
 def shipped_row(args, sets, embed) -> dict:
@@ -208,6 +250,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record-only", action="store_true", help="write the record from finished arms only")
+    ap.add_argument("--eval-every", type=int, default=0, help="steps between curve points (0: only at the end)")
+    ap.add_argument("--stop-after-min", type=float, default=0.0,
+                    help="checkpoint and stop an arm after this many minutes of this call (0: run it out)")
+    ap.add_argument("--export-if-better", action="store_true",
+                    help="export each arm's drafter and ship it when it beats the shipped one on the walk")
     args = ap.parse_args(argv)
     # The recipe's shape is train_default's: the same defaults.
     for k, v in (("dtype", "auto"), ("seq_len", 2048), ("block", 7), ("draft_layers", 2),
@@ -236,7 +283,7 @@ def main(argv=None) -> int:
         write_record(args, args.out, list(rows.values()), shard)
     draft_ids = draft_vocabulary(args)
     for arm in arms:
-        if arm in rows and rows[arm].get("steps") == args.steps:
+        if arm in rows and rows[arm].get("steps") == args.steps and rows[arm].get("finished", True):
             continue
         if args.record_only:
             continue
