@@ -124,13 +124,17 @@ def test_blocks_anchor_on_target_tokens_and_label_the_argmax(features, target_di
     assert bool((w.sum(-1) == anc.clamp(max=3)).all())
 
 
-def test_candidate_loss_equals_the_full_vocabulary_loss_when_the_candidates_cover_it(features, target_dir, embed):
+def _model_and_blocks(features, target_dir, convs=(1, 2), k: int = 4):
+    """A fresh drafter and ``k`` seeded anchors' blocks of each of ``convs``."""
     fs, _ = features
     cfg = _config(target_dir)
-    model = init_drafter(cfg, seed=0)
+    anchors = [sample_anchors(fs, c, k, cfg.block_size, torch.Generator().manual_seed(c)) for c in convs]
+    return init_drafter(cfg, seed=0), make_blocks(cfg, fs, list(convs), anchors)
+
+
+def test_candidate_loss_equals_the_full_vocabulary_loss_when_the_candidates_cover_it(features, target_dir, embed):
+    model, b = _model_and_blocks(features, target_dir)
     torch.nn.init.normal_(model.markov_head.markov_w2.weight, std=0.05)
-    anchors = [sample_anchors(fs, c, 4, cfg.block_size, torch.Generator().manual_seed(c)) for c in (1, 2)]
-    b = make_blocks(cfg, fs, [1, 2], anchors)
     # top_k 8 of a 97-token vocabulary: with cand_k = 8 the candidates are the union, a strict subset.
     args = TrainArgs(cand_k=8)
     full, mf = block_loss(model, b, embed, embed, args, None, full_vocab=True)
@@ -255,11 +259,7 @@ def test_a_few_steps_lower_the_loss_on_a_fixed_batch(features, target_dir, embed
 
 
 def test_a_draft_vocabulary_loss_scores_its_tokens_only_and_drops_labels_outside_it(features, target_dir, embed):
-    fs, _ = features
-    cfg = _config(target_dir)
-    model = init_drafter(cfg, seed=0)
-    anchors = [sample_anchors(fs, c, 4, cfg.block_size, torch.Generator().manual_seed(c)) for c in (1, 2)]
-    b = make_blocks(cfg, fs, [1, 2], anchors)
+    model, b = _model_and_blocks(features, target_dir)
     args = TrainArgs(cand_k=8)
     # The whole vocabulary as the "draft vocabulary" is the full-vocabulary loss.
     full, _ = block_loss(model, b, embed, embed, args, None, full_vocab=True)
