@@ -114,7 +114,7 @@ def walk_eval(model, sets, embed, scale) -> dict:
     return out
 
 
-def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids) -> dict:
+def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids, shipped: dict) -> dict:
     import torch
     from transformers import AutoConfig
 
@@ -156,14 +156,14 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids) -> d
             "final_loss": last["loss"], "final_tv": last["tv"], "args": rec["args"], "eval": ev,
            "finished": rec["finished"], "curve": [r for r in rec["curve"] if "eval" in r]}
     if args.export_if_better:
-        out["export"] = export_if_better(args, work, arm, model, ck["aux_scale"], sets, embed)
+        out["export"] = export_if_better(args, work, arm, model, ck["aux_scale"], sets, embed, shipped)
     return out
 
 
-def export_if_better(args, work: Path, arm: str, model, scale, sets, embed) -> dict:
+def export_if_better(args, work: Path, arm: str, model, scale, sets, embed, shipped: dict) -> dict:
     """Export the arm's drafter (bf16, the aux scale folded in), walk the export itself, and ship it
-    into ``--assets-dir/dspark`` (its frequency table kept) when it beats the shipped drafter on the
-    walk on both sets."""
+    into ``--assets-dir/dspark`` (its frequency table kept) when it beats ``shipped`` (the shipped
+    drafter's walk, taken once per run) on both sets."""
     import copy
     import shutil
 
@@ -176,7 +176,6 @@ def export_if_better(args, work: Path, arm: str, model, scale, sets, embed) -> d
     where = work / "probes" / f"export-{arm}-shard{args.shard_convs}-steps{args.steps}"
     out = export_drafter(m.eval(), where, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     ev = walk_eval(load_reference_model(out).eval(), sets, embed, None)
-    shipped = shipped_row(args, sets, embed)["eval"]
     better = all(ev[k]["walk"]["accept_len"] > shipped[k]["walk"]["accept_len"] for k in ("chat", "humaneval"))
     log(f"[{arm}] export walk " + ", ".join(f"{k} {ev[k]['walk']['accept_len']:.3f} (shipped "
                                            f"{shipped[k]['walk']['accept_len']:.3f})" for k in ev)
@@ -287,7 +286,7 @@ def main(argv=None) -> int:
             continue
         if args.record_only:
             continue
-        rows[arm] = run_arm(args, work, arm, sets, embed, final_norm, draft_ids)
+        rows[arm] = run_arm(args, work, arm, sets, embed, final_norm, draft_ids, rows["shipped"]["eval"])
         write_record(args, args.out, list(rows.values()), shard)
     write_record(args, args.out, list(rows.values()), shard)
     return 0
