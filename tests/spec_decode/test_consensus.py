@@ -165,6 +165,13 @@ def test_divergence_hook_names_one_rank(monkeypatch):
     assert divergence_for_rank(1) == {}
 
 
+def test_divergence_hook_gives_each_listed_rank_its_share(monkeypatch):
+    monkeypatch.setenv("VLLM_DSPARK_TEST_DIVERGENCE", json.dumps([{"rank": 0, "draft_time_scale": 0.5},
+                                                                  {"rank": 1, "draft_time_scale": 5}]))
+    assert divergence_for_rank(0)["draft_time_scale"] == 0.5 and divergence_for_rank(1)["draft_time_scale"] == 5
+    assert divergence_for_rank(2) == {}
+
+
 def test_unseeded_draft_seeds_are_a_function_of_request_and_position():
     a = _unseeded_draft_seed(0, "req-1", 17)
     assert a == _unseeded_draft_seed(0, "req-1", 17) and 0 <= a < 2 ** 62

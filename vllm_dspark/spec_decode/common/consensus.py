@@ -26,7 +26,8 @@ draft seeds are derived from the request and position rather than drawn.
 ``VLLM_DSPARK_TEST_DIVERGENCE`` (tests only) makes one rank's inputs differ on
 purpose: JSON ``{"rank": 1, "draft_time_scale": 1000, "cached_costs": {...}}``
 multiplies the drafter's times that rank measures (at start-up and online) and
-gives it a profile cache the others lack (``tests/deploy/test_ray_tp.py``).
+gives it a profile cache the others lack (``tests/deploy/test_ray_tp.py``). A
+JSON list of such objects gives several ranks a share each.
 """
 
 from __future__ import annotations
@@ -108,7 +109,10 @@ def divergence_for_rank(rank: int) -> dict:
     except ValueError:
         logger.warning("vllm_dspark: ignoring %s (not JSON): %r", TEST_DIVERGENCE_ENV, raw)
         return {}
-    if int(spec.get("rank", -1)) != rank:
+    specs = spec if isinstance(spec, list) else [spec]
+    mine = [s for s in specs if isinstance(s, dict) and int(s.get("rank", -1)) == rank]
+    if not mine:
         return {}
+    spec = mine[0]
     logger.warning("vllm_dspark: TEST HOOK %s active on TP rank %d: %s", TEST_DIVERGENCE_ENV, rank, spec)
     return spec
