@@ -14,11 +14,12 @@ Both DSpark engines run with rank 1's inputs diverging on purpose
 (``VLLM_DSPARK_TEST_DIVERGENCE``): rank 1 finds a cached cost profile that rank
 0 lacks (one that says drafting never pays) and measures its drafter 1000x
 slower than it is, while rank 0 measures its drafter 1000x faster and expects
-the table's acceptance, so that its budget drafts whatever the machine's load. Decided rank by rank, rank 1 would load while rank 0 runs
-the profile's dummy runs (collectives: a hang), and then skip the drafter's
-block forward while rank 0 runs it. The budget's decisions are made on rank 0
-and broadcast, so the ranks agree, outputs stay identical, and nothing hangs;
-each such test has its own timeout, so a hang fails the test, not the run.
+the table's acceptance, so that its budget drafts whatever the machine's load.
+Decided rank by rank, rank 1 would load while rank 0 runs the profile's dummy
+runs (collectives: a hang), and then skip the drafter's block forward while
+rank 0 runs it. The budget's decisions are made on rank 0 and broadcast, so the
+ranks agree, outputs stay identical, and nothing hangs; each such test has its
+own timeout, so a hang fails the test, not the run.
 """
 
 from __future__ import annotations
