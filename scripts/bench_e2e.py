@@ -37,7 +37,8 @@ was most of that difference: see :mod:`vllm_dspark.tools.bench.shared_weights`).
 
 Writes ``results.json``, ``report.md`` and PNG plots (throughput, speed-up,
 per-position acceptance, the confidence head's reliability, where a step's
-time goes) into ``--out``.
+time goes) into ``--out``. The plots are not committed with a record:
+``scripts/plot_record.py`` draws them again from ``results.json``.
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ def write_report(meta: dict, slim: list[dict], out: Path) -> None:
     report = (f"# DSpark end-to-end benchmark ({meta['suite']}, {meta['pair']})\n\n```\n{json.dumps(meta, indent=1)}"
               f"\n```\n\n## Throughput and acceptance\n\n{table(slim)}\n\n## Where a step's time goes\n\n"
               f"{breakdown_table(slim)}\n\n## Calibration of the confidence head\n\n{calibration_table(slim)}\n\n"
-              + "\n".join(f"![{p}]({p})" for p in made) + "\n")
+               f"Plots (not kept in git): `python scripts/plot_record.py {out}` draws {', '.join(made)}.\n")
     (out / "report.md").write_text(report)
     print(table(slim))
     print(f"wrote {out}/results.json, report.md, {', '.join(made)}")

@@ -102,6 +102,34 @@ def run(target, spec, prompts, max_tokens, *, probe_len=None):
     return res
 
 
+PLOT = "acceptance_vs_context.png"
+
+
+def plot(rows: list[dict], out: Path) -> str:
+    """Acceptance against context for every DSpark configuration in ``rows``; returns the file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [k for k in rows[0] if isinstance(rows[0][k], dict)]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, n in enumerate(names):
+        ax.plot([r["prompt_tokens_mean"] for r in rows], [r[n]["mean_acceptance_length"] for r in rows],
+                marker="os"[i % 2], linestyle=["-", "--"][i % 2], label=n)
+    ax.axvline(1024, color="gray", linewidth=0.8, linestyle=":")
+    ax.text(1050, ax.get_ylim()[0] + 0.1, "trained context", fontsize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens")
+    ax.set_ylabel("mean acceptance length")
+    ax.set_title("Acceptance past the drafter's trained context (greedy)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / PLOT, dpi=110)
+    plt.close(fig)
+    return PLOT
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "reports" / "long-context"))
@@ -162,30 +190,12 @@ def main() -> int:
             d = k["draft_blocks_per_step"]
             kv_lines.append(f"| {n} | {k['context']} | {max(d)} | {max(k['target_blocks_per_step'])} | "
                             f"{k['block_size']} | {k['draft_group_spec']} |")
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, n in enumerate(names):
-        ax.plot([r["prompt_tokens_mean"] for r in rows], [r[n]["mean_acceptance_length"] for r in rows],
-                marker="os"[i], linestyle=["-", "--"][i], label=n)
-    ax.axvline(1024, color="gray", linewidth=0.8, linestyle=":")
-    ax.text(1050, ax.get_ylim()[0] + 0.1, "trained context", fontsize=7)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("context tokens")
-    ax.set_ylabel("mean acceptance length")
-    ax.set_title("Acceptance past the drafter's trained context (greedy)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_vs_context.png", dpi=110)
-    plt.close(fig)
+    plot(rows, out)
     (out / "report.md").write_text(
         "# Long context: acceptance and draft KV past the trained context\n\n"
         f"```\n{json.dumps(meta, indent=1)}\n```\n\n"
         + "\n".join(lines) + "\n\n## Draft KV cache of one request\n\n" + "\n".join(kv_lines)
-        + "\n\n![acceptance](acceptance_vs_context.png)\n")
+        + f"\n\nPlot (not kept in git): `python scripts/plot_record.py {out}` draws {PLOT}.\n")
     print("\n".join(lines))
     print("\n".join(kv_lines))
     return 0

@@ -402,7 +402,8 @@ def render_only(out: Path) -> int:
     result = json.loads(path.read_text(), object_hook=int_keys)
     for rec in result["dtypes"].values():
         a = rec.get("args", result.get("args", {}))
-        rec["analysis"] = analyse(rec, a["batches"], a["ks"])
+        if "cells" in rec:  # a record written before slim(): its cells analysed again
+            rec["analysis"] = analyse(rec, a["batches"], a["ks"])
     made = write_outputs(result, out)
     log(f"re-rendered {out}/report.md and {', '.join(made)} from {path}")
     return 0

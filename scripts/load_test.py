@@ -21,10 +21,10 @@ Afterwards: the server must still answer a request, ``/metrics`` must be readabl
 process must be alive. Every loop is bounded in count and time (``--phase-timeout`` per
 configuration, ``--request-timeout`` per request, ``--start-timeout`` per server start).
 
-Written to ``--out`` (default ``reports/load_test``): ``results.json`` (every request), ``report.md``
-and ``latency.png``. Exit status 0 only if there were no server errors (5xx, client exceptions,
-server deaths), every greedy request that completed on both servers gave the same tokens, every
-bad request got a 4xx, and each server still served at the end.
+Written to ``--out`` (default ``reports/load_test``): ``results.json`` (every request, without its
+tokens and chunk timings), ``report.md`` and ``latency.png``. Exit status 0 only if there were no
+server errors (5xx, client exceptions, server deaths), every greedy request that completed on both
+servers gave the same tokens, every bad request got a 4xx, and each server still served at the end.
 """
 
 from __future__ import annotations
@@ -212,6 +212,17 @@ class Result:
     chunk_tokens: list[int] = field(default_factory=list)
     latency_s: float | None = None
     skipped: bool = False  # not sent before the phase deadline
+
+
+# A record keeps what its summaries are made of; tokens, texts and chunk timings of every request
+# made the results 370 KB (the greedy comparison is made before they are dropped).
+HEAVY_FIELDS = ("token_ids", "text", "chunk_times", "chunk_tokens")
+
+
+def slim_result(r: Result) -> dict:
+    d = {k: v for k, v in asdict(r).items() if k not in HEAVY_FIELDS}
+    d["tokens"] = len(r.token_ids)
+    return d
 
 
 def _endpoint(api: str) -> str:
@@ -499,7 +510,7 @@ def write_report(out: Path, meta: dict, summaries: list[dict], greedy: dict, ver
     errs = [e for s in summaries for e in s["errors"]]
     if errs:
         L += ["", "## Errors", ""] + [f"- {e}" for e in errs[:20]]
-    L += ["", "![latency](latency.png)", "",
+    L += ["", f"Plot (not kept in git): `python scripts/plot_record.py {out}` draws latency.png.", "",
           ("TTFT: from sending the request to the first chunk carrying tokens. ITL: gaps between chunks that "
            "carry tokens (DSpark streams several tokens per chunk when drafts are accepted). TPOT: (last chunk - "
            "first chunk) / (tokens - 1) per request. Disconnecting clients close the connection after 1-4 chunks; "
@@ -632,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
          "jobs": [{"idx": j.idx, "kind": j.kind, "source": j.source, "disconnect_after": j.disconnect_after,
                    "body": {k: v for k, v in (j.body or {}).items() if k not in ("messages", "prompt")}}
                   for j in jobs],
-         "results": {k: [asdict(r) for r in v] for k, v in raw.items()}}, indent=1) + "\n")
+         "results": {k: [slim_result(r) for r in v] for k, v in raw.items()}}, indent=1) + "\n")
     plot(summaries, out / "latency.png")
     write_report(out, meta, summaries, greedy, verdict)
     print(f"load_test: {'PASS' if verdict['pass'] else 'FAIL: ' + '; '.join(failures)} "

@@ -1,16 +1,18 @@
 """The step-cost record from its measurements: the analysis, ``report.md`` and the plots.
 
 Split from ``scripts/bench_step_cost.py``, which measures (see its docstring for
-what is timed and how). Everything here reads only the ``results.json`` it wrote, so
-a record's report and plots can be made again from it
-(``bench_step_cost.py --render-only --out DIR``), and the tests do exactly that for
-the committed record.
+what is timed and how). The run's cells are analysed here, and the record keeps
+the analysis and a digest of the cells (:func:`slim`), not the cells' step times.
+Everything else reads only that ``results.json``, so a record's report and plots
+can be made again from it (``bench_step_cost.py --render-only --out DIR``), and
+the tests do exactly that for the committed record.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
@@ -158,14 +160,32 @@ def rx(s: dict | None) -> str:
     return f"{s['median']:.2f}x [{s['min']:.2f}-{s['max']:.2f}]"
 
 
-def lockstep_position_lines(cells: list[dict], a: dict) -> list[str]:
-    """The lockstep self-check: does a cell's step depend on which cell ran before it?"""
+def cells_digest(cells: list[dict]) -> dict:
+    """What the report reads of the cells besides the analysis, for a record that keeps no cells:
+    each cell's share of other processes' CPU, and each lockstep cell's position bias."""
     from vllm_dspark.tools.bench import step_cost as S
 
+    return {"foreign_cpu_share": [[c["kind"], c["batch"], c["x"], c["repeat"], c.get("foreign_cpu_share", 0.0)]
+                                  for c in cells],
+            "position_bias": [[c["batch"], c["kind"], c["x"], S.position_bias(c["step_s"])]
+                              for c in cells if c.get("lockstep_rounds")]}
+
+
+def slim(result: dict) -> dict:
+    """The record as committed: the analysis and a digest in place of every cell's step times (a
+    record's results stay under 100 KB; the cells of one run were 480 KB)."""
+    out = json.loads(json.dumps(result, default=json_default), object_hook=int_keys)
+    for d in out["dtypes"].values():
+        if "cells" in d:
+            d["cells_digest"] = cells_digest(d.pop("cells"))
+    return out
+
+
+def lockstep_position_lines(biases: list[list], a: dict) -> list[str]:
+    """The lockstep self-check: does a cell's step depend on which cell ran before it?"""
     by: dict = {}
-    for c in cells:
-        if c.get("lockstep_rounds"):
-            by.setdefault((c["batch"], c["kind"], c["x"]), []).append(S.position_bias(c["step_s"]))
+    for b, kind, x, bias in biases:
+        by.setdefault((b, kind, x), []).append(bias)
     if not by:
         return []
     parts = [f"{kind} B={b} {'k' if kind in ('plain', 'spec') else 'q'}={x} "
@@ -226,15 +246,18 @@ def report(result: dict) -> str:
                      f"{rx(s0.get('step_vs_plain'))} | {rx(s0.get('step_vs_floor'))} | {ms(s7.get('step_s'))} | "
                      f"{ms(s7.get('target_s'))} | {rx(s7.get('target_vs_floor'))} | {rx(s7.get('step_vs_floor'))} | "
                      f"{ms(row['floor_s'].get(1))} | {ms(row['floor_s'].get(8))} |")
-        shares = [c.get("foreign_cpu_share", 0.0) for c in d["cells"]]
+        digest = d["cells_digest"] if "cells_digest" in d else cells_digest(d["cells"])
+        cells = [dict(zip(("kind", "batch", "x", "repeat", "foreign_cpu_share"), c, strict=True))
+                 for c in digest["foreign_cpu_share"]]
+        shares = [c["foreign_cpu_share"] for c in cells]
         if shares:
-            bad = [c for c in d["cells"] if c.get("foreign_cpu_share", 0.0) > 0.2]
+            bad = [c for c in cells if c["foreign_cpu_share"] > 0.2]
             L += ["", f"Other processes during the cells: median {statistics.median(shares):.2f} CPUs, max "
                   f"{max(shares):.2f} (of {result['machine'].get('cpu', {}).get('CPU(s)')}); "
                   f"{len(bad)} of {len(shares)} cells above 0.2 CPUs"
                   + (": " + ", ".join(f"{c['kind']} B={c['batch']} x={c['x']} r{c['repeat']} "
                                       f"({c['foreign_cpu_share']:.2f})" for c in bad[:12]) if bad else "") + "."]
-        L += lockstep_position_lines(d["cells"], a)
+        L += lockstep_position_lines(digest["position_bias"], a)
         L += ["", "Goals of issue 18 (met only when the whole spread allows it):", ""]
         for b, row in an.items():
             s0 = row["spec"].get(0, {})
@@ -439,10 +462,16 @@ def plots(result: dict, out: Path) -> list[str]:
 
 
 def write_outputs(result: dict, out: Path) -> list[str]:
-    (out / "results.json").write_text(json.dumps(result, indent=1, default=json_default))
-    plain = json.loads(json.dumps(result, default=json_default), object_hook=int_keys)
+    plain = slim(result)
+    (out / "results.json").write_text(dumps_compact(plain))
     (out / "report.md").write_text(report(plain))
     return plots(plain, out)
+
+
+def dumps_compact(obj) -> str:
+    """Indented JSON whose innermost lists (of numbers and strings) stay on one line each."""
+    text = json.dumps(obj, indent=1, default=json_default)
+    return re.sub(r"\[[^\[\]{}]*\]", lambda m: " ".join(m.group(0).split()), text) + "\n"
 
 
 def json_default(o):
