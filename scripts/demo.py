@@ -22,7 +22,7 @@ Unless ``--verbose``, the demo prints its own lines only: it runs itself as a ch
 output goes through ``vllm_dspark/tools/quiet.py`` (vLLM's and torch's warnings that a user
 cannot act on are hidden, and counted in one closing line; failures and the plugin's own
 lines always show), and vLLM's INFO logs are off. The CPU set-up vLLM recommends
-(tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/tools/bench/cpu_setup.py``) is on
+(tcmalloc and Intel OpenMP preloaded, ``vllm_dspark/tools/cpu_setup.py``) is on
 unless ``--no-cpu-setup``.
 """
 
@@ -40,7 +40,7 @@ CHILD = "VLLM_DSPARK_DEMO_CHILD"  # set in the filtered child run
 
 
 def main() -> int:
-    from vllm_dspark.tools.bench import cpu_setup
+    from vllm_dspark.tools import cpu_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--num-prompts", type=int, default=6)
@@ -69,7 +69,7 @@ def main() -> int:
         return 2
     from transformers import AutoTokenizer
 
-    from vllm_dspark.tools.bench.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
+    from benchmarks.harness.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
     from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(paths["target"])

@@ -17,7 +17,7 @@ runs the bounded subset that ``tests/ops/test_simt_emulation.py`` uses.
 
 Also a library: ``build_harness``, ``emulate`` (one call of the kernels, with
 the harness counters) and ``make_case`` are used by the tests and by
-``scripts/bench_markov_op.py --model h200``.
+``benchmarks/bench_markov_op.py --model h200``.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ starting new work when its share is spent) it does four things:
    preallocated outputs, ``max_norms`` given) against the dense torch loop
    (per position: gather, ``w1[prev] @ w2.T``, add, argmax). The sizes are
    K3's: vocab 163,840, rank 256, block 7, batch 1/8/64, bf16, greedy, on the
-   ``peaky`` and ``flat`` logits of ``scripts/bench_markov_op.py``. There are
+   ``peaky`` and ``flat`` logits of ``benchmarks/bench_markov_op.py``. There are
    three timings: eager back to back (L2 warm), eager after a 256 MiB L2 flush,
    and CUDA-graph replay. Each is the median of CUDA-event times. Every timed
    op output is also checked against the reference.
@@ -96,14 +96,14 @@ CARRY_LIMIT = 64 * 2**20  # bytes of working tree the device tool carries
 # What this check reads on the GPU machine: the build, the op's Python face, the cases.
 NEEDED = ("setup.py", "pyproject.toml", "README.md", "csrc", "vllm_dspark/__init__.py", "vllm_dspark/ops",
           "tests/__init__.py", "tests/ops/__init__.py", "tests/ops/markov_cases.py", "scripts/gpu_check.py",
-          "scripts/bench_markov_op.py")
+          "benchmarks/bench_markov_op.py")
 BENCH: dict[str, Any] = dict(vocab=163840, rank=256, block=7, batches=(1, 8, 64), regimes=("peaky", "flat"),
              dtype="bf16", mode="greedy")
 BENCH_RESERVE_S = 75.0  # of the budget kept for the timing part
 
 
 def _bench_inputs():
-    """scripts/bench_markov_op.py's ``make_inputs`` (its peaky/flat regimes)."""
+    """benchmarks/bench_markov_op.py's ``make_inputs`` (its peaky/flat regimes)."""
     spec = importlib.util.spec_from_file_location("bench_markov_op", ROOT / "scripts" / "bench_markov_op.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)

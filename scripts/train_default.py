@@ -60,7 +60,7 @@ def target_dtype(args) -> str:
     two differ only at near-ties; the record names the dtype used."""
     if args.dtype != "auto":
         return args.dtype
-    from vllm_dspark.tools.bench.cpu_setup import describe
+    from vllm_dspark.tools.cpu_setup import describe
 
     return "bfloat16" if describe()["native_bf16"] else "float32"
 

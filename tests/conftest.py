@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.harness.engine import llm_engine
 from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
-from vllm_dspark.tools.bench.engine import llm_engine
 from vllm_dspark.tools.tiny_pair import make_drafter
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little

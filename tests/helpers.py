@@ -218,7 +218,7 @@ def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]], trace: 
     vLLM's acceptance summary: (tokens per prompt, summary). ``trace``: the proposer's trace file."""
     from vllm import SamplingParams
 
-    from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
+    from benchmarks.harness.engine import acceptance_summary, llm_engine, spec_metrics
 
     spec = {"method": "dspark", "model": str(draft),
             "dspark": {"verification": "fixed", **({"trace": str(trace)} if trace else {})}}
@@ -231,8 +231,8 @@ def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]], trace: 
 def traced_family_run(pair: dict, prompts: list[list[int]], root: Path, layout: str, head: str = "vanilla"):
     """:func:`family_draft` served by :func:`greedy_fixed_run` with a trace: (its config, the draft
     vocabulary's target ids or None, tokens per prompt, vLLM's acceptance summary, the trace records)."""
+    from benchmarks.harness.engine import read_trace
     from vllm_dspark.config import DSparkConfig
-    from vllm_dspark.tools.bench.engine import read_trace
 
     draft, ids = family_draft(pair, root, layout, head=head)
     tokens, summary = greedy_fixed_run(pair["target"], draft, prompts, trace=root / "trace.jsonl")

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_dspark.tools.bench.e2e import EngineConfig, dspark_spec, toy_pair
-from vllm_dspark.tools.bench.lockstep import CONTROL, build_order, rotated, run_cell, run_lockstep, speedups
+from benchmarks.harness.e2e import EngineConfig, dspark_spec, toy_pair
+from benchmarks.harness.lockstep import CONTROL, build_order, rotated, run_cell, run_lockstep, speedups
 
 
 class FakeEngine:

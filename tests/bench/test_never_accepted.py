@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.harness.never_accepted import never_accepted_drafter
 from vllm_dspark.checkpoint.io import load_checkpoint, load_reference_model
-from vllm_dspark.tools.bench.never_accepted import never_accepted_drafter
 
 TOY_DRAFTER = Path(__file__).resolve().parents[1] / "fixtures" / "toy_pair" / "drafter"
 

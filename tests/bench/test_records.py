@@ -1,5 +1,5 @@
 """The benchmark records stay light: each is its report, the command and the machine, and a results
-file of at most 100 KB; plots are drawn again from the results (``scripts/plot_record.py``), not
+file of at most 100 KB; plots are drawn again from the results (``benchmarks/plot_record.py``), not
 kept; the whole of ``docs/benchmarks`` stays under 600 KB."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _kept_files() -> list[Path]:
 
 
 def _plot_record():
-    spec = importlib.util.spec_from_file_location("plot_record", ROOT / "scripts" / "plot_record.py")
+    spec = importlib.util.spec_from_file_location("plot_record", ROOT / "benchmarks" / "plot_record.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -73,6 +73,6 @@ def test_plots_are_drawn_again_from_the_results(record, plots, tmp_path):
 
 
 def test_plot_record_names_a_folder_without_results(tmp_path):
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "plot_record.py"), str(tmp_path)],
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_record.py"), str(tmp_path)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "has no results.json" in run.stderr

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_dspark.tools.bench.shared_weights import share_weights
+from benchmarks.harness.shared_weights import share_weights
 
 
 def _model(seed: int = 0) -> torch.nn.Module:

@@ -2,8 +2,8 @@
 
 import math
 
-from vllm_dspark.tools.bench.step_common import classify_op
-from vllm_dspark.tools.bench.step_cost import (
+from benchmarks.harness.step_common import classify_op
+from benchmarks.harness.step_cost import (
     interleaved,
     linear_slope,
     ratio_summary,
@@ -39,7 +39,7 @@ def test_order_classes_and_phases():
 
 
 def test_cell_groups_pair_each_goal_with_its_floor():
-    from vllm_dspark.tools.bench.step_cost import cell_groups
+    from benchmarks.harness.step_cost import cell_groups
 
     alone = cell_groups([1], [0, 7], [1, 8], hf=False, lockstep=False)
     assert all(len(g) == 1 for g in alone)
@@ -74,7 +74,7 @@ class _FakeWorker:
 def test_lockstep_steps_every_cell_each_round_in_alternating_order():
     import pytest
 
-    from vllm_dspark.tools.bench.step_cost import run_lockstep
+    from benchmarks.harness.step_cost import run_lockstep
 
     log: list = []
     fast, slow = _FakeWorker("fast", 1 / 64, log), _FakeWorker("slow", 1 / 16, log)  # exact in binary
@@ -91,7 +91,7 @@ def test_lockstep_steps_every_cell_each_round_in_alternating_order():
 def test_lockstep_closes_the_opened_cells_when_a_step_fails():
     import pytest
 
-    from vllm_dspark.tools.bench.step_cost import run_lockstep
+    from benchmarks.harness.step_cost import run_lockstep
 
     log: list = []
     ok = _FakeWorker("ok", 0.01, log)
@@ -109,7 +109,7 @@ def test_lockstep_closes_the_opened_cells_when_a_step_fails():
 
 
 def test_run_until_counts_only_steps_of_the_cells_shape():
-    from vllm_dspark.tools.bench.step_common import run_until
+    from benchmarks.harness.step_common import run_until
 
     seq = iter([0.0, 0.2, 0.0, 0.2, 0.2])
     assert run_until(lambda: next(seq), min_seconds=0.3, min_steps=2, max_steps=10) == 4
@@ -117,7 +117,7 @@ def test_run_until_counts_only_steps_of_the_cells_shape():
 
 
 def test_position_bias_compares_even_and_odd_rounds():
-    from vllm_dspark.tools.bench.step_cost import position_bias
+    from benchmarks.harness.step_cost import position_bias
 
     assert position_bias([9.0, 2.0, 1.0, 2.0, 1.0]) == 0.5  # the first step is left out
     assert math.isnan(position_bias([1.0, 2.0]))
@@ -126,7 +126,7 @@ def test_position_bias_compares_even_and_odd_rounds():
 def test_lockstep_pauses_before_every_step():
     import time
 
-    from vllm_dspark.tools.bench.step_cost import run_lockstep
+    from benchmarks.harness.step_cost import run_lockstep
 
     log: list = []
     w = _FakeWorker("w", 1.0, log)
@@ -138,8 +138,8 @@ def test_lockstep_pauses_before_every_step():
 def test_pair_order_names_each_engine_once_and_the_floor_at_most_once():
     import pytest
 
-    from vllm_dspark.tools.bench.step_common import EngineSpec
-    from vllm_dspark.tools.bench.step_cost import PairServer
+    from benchmarks.harness.step_common import EngineSpec
+    from benchmarks.harness.step_cost import PairServer
 
     for order in (("plain",), ("plain", "plain"), ("plain", "spec", "floor", "floor"), ("plain", "spec", "hf")):
         with pytest.raises(ValueError, match="order must name"):

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_dspark.tools.bench.step_cost_report import analyse, int_keys, report, slim
+from benchmarks.harness.step_cost_report import analyse, int_keys, report, slim
 
 ROOT = Path(__file__).resolve().parents[2]
 # The current step-cost record (docs/benchmarks/README.md).
@@ -77,13 +77,13 @@ def test_render_only_rewrites_report_and_plots(tmp_path):
     (out / "report.md").write_text("stale")
     for png in out.glob("*.png"):
         png.unlink()
-    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step_cost.py"), "--render-only", "--out",
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step_cost.py"), "--render-only", "--out",
                           str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert (out / "report.md").read_text() == (RECORD / "report.md").read_text()
     assert (out / "results.json").read_text() == (RECORD / "results.json").read_text()
     assert sorted(p.name for p in out.glob("*.png")) == ["phases.png", "ratio_to_floor.png", "step_time.png"]
     assert all(p.stat().st_size > 10_000 for p in out.glob("*.png"))
-    missing = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_step_cost.py"), "--render-only",
+    missing = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step_cost.py"), "--render-only",
                               "--out", str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "--render-only needs" in missing.stderr

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from vllm_dspark.tools.bench.e2e import toy_pair
+from benchmarks.harness.e2e import toy_pair
 
 
 def test_toy_pair_is_the_repository_fixture():

@@ -61,7 +61,7 @@ def models(tiny_models, engine_env, tmp_path_factory):
 def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
     from vllm import SamplingParams
 
-    from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, spec_metrics
+    from benchmarks.harness.engine import acceptance_summary, llm_engine, spec_metrics
     from vllm_dspark.tools.deploy.ray_cpu import probe_worker
 
     speculative_config = ({"method": "dspark", "model": models["draft"], "num_speculative_tokens": 7,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 
 pytestmark = pytest.mark.engine
 

@@ -23,11 +23,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.harness.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 from tests.helpers import MAX_TOKENS, VOCAB
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.spec_decode.common.budget import TrustConfig
 from vllm_dspark.spec_decode.common.calibration import Calibrator
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 

@@ -23,14 +23,14 @@ import json
 import pytest
 import torch
 
-from tests.helpers import MAX_TOKENS, VOCAB
-from vllm_dspark.tools.bench.engine import (
+from benchmarks.harness.engine import (
     acceptance_summary,
     dspark_report,
     llm_engine,
     source_metrics,
     spec_metrics,
 )
+from tests.helpers import MAX_TOKENS, VOCAB
 
 pytestmark = pytest.mark.engine
 

@@ -24,8 +24,8 @@ from collections import Counter
 import pytest
 import torch
 
+from benchmarks.harness.engine import dspark_report, llm_engine
 from tests.helpers import VOCAB
-from vllm_dspark.tools.bench.engine import dspark_report, llm_engine
 
 pytestmark = pytest.mark.engine
 

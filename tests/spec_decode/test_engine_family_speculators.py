@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 from tests.helpers import MAX_TOKENS, VOCAB, family_draft
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 

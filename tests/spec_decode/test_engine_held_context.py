@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import pytest
 
+from benchmarks.harness.engine import dspark_report, llm_engine, read_trace
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.tools.bench.engine import dspark_report, llm_engine, read_trace
 
 pytestmark = pytest.mark.engine
 

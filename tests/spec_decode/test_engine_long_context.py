@@ -21,10 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import tiny_pair
-from tests.reference_check import ReferenceDrafter, match_sequence
-from vllm_dspark.serving.settings import DSparkSettings
-from vllm_dspark.tools.bench.engine import (
+from benchmarks.harness.engine import (
     acceptance_summary,
     draft_kv_blocks,
     dspark_report,
@@ -32,6 +29,9 @@ from vllm_dspark.tools.bench.engine import (
     read_trace,
     spec_metrics,
 )
+from tests.helpers import tiny_pair
+from tests.reference_check import ReferenceDrafter, match_sequence
+from vllm_dspark.serving.settings import DSparkSettings
 
 pytestmark = pytest.mark.engine
 VOCAB = 384

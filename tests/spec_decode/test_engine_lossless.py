@@ -9,9 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import MAX_TOKENS
-from tests.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.tools.bench.engine import (
+from benchmarks.harness.engine import (
     acceptance_summary,
     dspark_report,
     llm_engine,
@@ -19,6 +17,8 @@ from vllm_dspark.tools.bench.engine import (
     spec_metrics,
     verified_draft_tokens,
 )
+from tests.helpers import MAX_TOKENS
+from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 
 pytestmark = pytest.mark.engine
 

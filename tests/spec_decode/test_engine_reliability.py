@@ -32,8 +32,8 @@ import time
 import pytest
 import torch
 
+from benchmarks.harness.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 from tests.helpers import tiny_pair
-from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 VOCAB = 384

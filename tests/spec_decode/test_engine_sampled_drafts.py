@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks.harness.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 from tests.helpers import MAX_TOKENS
-from vllm_dspark.tools.bench.engine import acceptance_summary, llm_engine, read_trace, spec_metrics
 
 pytestmark = pytest.mark.engine
 

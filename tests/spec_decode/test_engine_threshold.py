@@ -12,15 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
-from tests.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.tools.bench.engine import (
+from benchmarks.harness.engine import (
     acceptance_summary,
     llm_engine,
     read_trace,
     spec_metrics,
     verified_draft_tokens,
 )
+from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
+from tests.reference_check import ReferenceDrafter, check_trace_against_reference
 from vllm_dspark.tools.tiny_pair import expected_length
 
 pytestmark = pytest.mark.engine

@@ -124,7 +124,7 @@ Build and use
     computed densely. Every tensor, optional ones included, must be on
     ``base_logits``' device (checked, with the tensor's name).
 
-Performance (``scripts/bench_markov_op.py``)
+Performance (``benchmarks/bench_markov_op.py``)
     CPU: one streaming pass over the row's base logits (plus, when sampling,
     a hash and table look-up per token) replaces the rank-256 matvec; >= 20x
     over the dense loop at batch 1 and 64 on the benchmark's regimes. The bound

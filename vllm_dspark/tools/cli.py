@@ -155,7 +155,7 @@ def _cmd_default(args: argparse.Namespace) -> int:
 
 
 def _cmd_cpu_preload(args: argparse.Namespace) -> int:
-    from vllm_dspark.tools.bench import cpu_setup
+    from vllm_dspark.tools import cpu_setup
 
     value, missing = cpu_setup.preload_value()
     if missing:

@@ -5,7 +5,7 @@ that re-read tool output) the text after an earlier occurrence of its latest tok
 draft than any model's. :class:`SuffixIndex` keeps, per request, where each recent n-gram
 (``min_match`` .. ``max_match`` tokens) last ended, updated as tokens are accepted: a step costs
 O(``max_match``) hashing and dictionary operations per new token, whatever the context length,
-and the prompt is indexed once, vectorised (``scripts/bench_copy_source.py``). The draft is the
+and the prompt is indexed once, vectorised (``benchmarks/bench_copy_source.py``). The draft is the
 text that followed the most recent earlier occurrence of the longest suffix found; its match
 length (extended backwards past ``max_match``, up to ``MATCH_CAP``) is the evidence the budget
 calibrates on.

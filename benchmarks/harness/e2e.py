@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_dspark.tools.bench.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
+from benchmarks.harness.engine import acceptance_summary, dspark_report, llm_engine, read_trace, spec_metrics
 
 
 @dataclass
@@ -65,7 +65,7 @@ def default_pair(num_prompts: int | None = None) -> Pair:
 
 def toy_pair(num_prompts: int | None = None) -> Pair:
     """The earlier bundled toy pair (19M Qwen3 on the standard library), now a test fixture."""
-    root = Path(__file__).resolve().parents[3] / "tests" / "fixtures" / "toy_pair"
+    root = Path(__file__).resolve().parents[2] / "tests" / "fixtures" / "toy_pair"
     if not (root / "drafter" / "config.json").is_file():
         raise FileNotFoundError(f"the toy pair is a repository fixture ({root}); run from a clone")
     return Pair("toy", str(root / "target"), str(root / "drafter"), None,

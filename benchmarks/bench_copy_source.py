@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What the copy source costs per request: indexing a prompt once, then one decode step.
 
-    .venv/bin/python scripts/bench_copy_source.py --out docs/benchmarks/copy-source
+    .venv/bin/python benchmarks/bench_copy_source.py --out docs/benchmarks/copy-source
 
 For contexts of 1K and 32K tokens (a code-like text with repeats, drawn from a fixed seed): the
 time to index the prompt (once per request) and the time of one step (extend by the accepted
@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from vllm_dspark.spec_decode.common.copy_source import SuffixIndex  # noqa: E402
-from vllm_dspark.tools.bench.cpu_setup import describe  # noqa: E402
+from vllm_dspark.tools.cpu_setup import describe  # noqa: E402
 
 
 def text(n: int, seed: int) -> list[int]:
@@ -74,7 +74,7 @@ def main() -> int:
     rows = [measure(int(c), args.k, args.steps, args.seed) for c in args.contexts.split(",")]
     result = {"machine": machine, "k": args.k, "steps": args.steps, "rows": rows,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "command": " ".join(["scripts/bench_copy_source.py", *sys.argv[1:]])}
+              "command": " ".join(["benchmarks/bench_copy_source.py", *sys.argv[1:]])}
     lines = ["# The copy source's own cost per request\n", f"{result['date']}, {machine['cores']} cores, "
              f"{machine['cpu']}, flags: {' '.join(machine['flags'])}; `{result['command']}`\n",
              f"| context | index the prompt (once) | one step, 1 accepted | one step, {args.k + 1} accepted |",

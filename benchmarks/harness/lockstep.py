@@ -60,7 +60,7 @@ import math
 import statistics
 import time
 
-from vllm_dspark.tools.bench.e2e import (
+from benchmarks.harness.e2e import (
     EngineConfig,
     Pair,
     _cells,
@@ -70,8 +70,8 @@ from vllm_dspark.tools.bench.e2e import (
     proposer_acceptance,
     repeats_row,
 )
-from vllm_dspark.tools.bench.engine import dspark_report, llm_engine
-from vllm_dspark.tools.bench.shared_weights import share_weights, target_model
+from benchmarks.harness.engine import dspark_report, llm_engine
+from benchmarks.harness.shared_weights import share_weights, target_model
 
 CONTROL = "no-spec-b"
 

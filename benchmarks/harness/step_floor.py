@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.tools.bench.step_common import EngineSpec, classify_op, random_prompts, run_until, typical_mean
+from benchmarks.harness.step_common import EngineSpec, classify_op, random_prompts, run_until, typical_mean
 
 
 class FloorLlama:

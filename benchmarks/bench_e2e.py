@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Side-by-side end-to-end benchmark of DSpark in vLLM (a benchmark, not a test).
 
-    .venv/bin/python scripts/bench_e2e.py --suite default --out docs/benchmarks/e2e-smollm2
-    .venv/bin/python scripts/bench_e2e.py --suite verification --pair smollm2 --out reports/verify
+    .venv/bin/python benchmarks/bench_e2e.py --suite default --out docs/benchmarks/e2e-smollm2
+    .venv/bin/python benchmarks/bench_e2e.py --suite verification --pair smollm2 --out reports/verify
 
 Suites (every configuration is its own engine, all in this one run; speed-ups
 are ratios to the no-speculation engine of the same run and cell):
@@ -28,17 +28,17 @@ median of the per-repeat ratios, with their spread.
 With ``--lockstep`` the engines run in this process and are stepped in turn,
 one engine step at a time, and a second no-speculation engine (``no-spec-b``)
 brackets the others as a control: each speed-up is against both controls, and
-the control's own row is the run's A/A (:mod:`vllm_dspark.tools.bench.lockstep`
+the control's own row is the run's A/A (:mod:`benchmarks.harness.lockstep`
 says why: on this machine it narrows an A/A from [0.93-1.04] to [1.008-1.020]).
 ``--builds N`` builds the engines N times in rotated orders (engines built later
 in one process ran faster), and ``--share-weights`` points every engine at the
 first-built engine's target weights (where an engine's weights landed in memory
-was most of that difference: see :mod:`vllm_dspark.tools.bench.shared_weights`).
+was most of that difference: see :mod:`benchmarks.harness.shared_weights`).
 
 Writes ``results.json``, ``report.md`` and PNG plots (throughput, speed-up,
 per-position acceptance, the confidence head's reliability, where a step's
 time goes) into ``--out``. The plots are not committed with a record:
-``scripts/plot_record.py`` draws them again from ``results.json``.
+``benchmarks/plot_record.py`` draws them again from ``results.json``.
 """
 
 from __future__ import annotations
@@ -227,7 +227,7 @@ def write_report(meta: dict, slim: list[dict], out: Path) -> None:
     report = (f"# DSpark end-to-end benchmark ({meta['suite']}, {meta['pair']})\n\n```\n{json.dumps(meta, indent=1)}"
               f"\n```\n\n## Throughput and acceptance\n\n{table(slim)}\n\n## Where a step's time goes\n\n"
               f"{breakdown_table(slim)}\n\n## Calibration of the confidence head\n\n{calibration_table(slim)}\n\n"
-               f"Plots (not kept in git): `python scripts/plot_record.py {out}` draws {', '.join(made)}.\n")
+               f"Plots (not kept in git): `python benchmarks/plot_record.py {out}` draws {', '.join(made)}.\n")
     (out / "report.md").write_text(report)
     print(table(slim))
     print(f"wrote {out}/results.json, report.md, {', '.join(made)}")
@@ -244,7 +244,7 @@ def rewrite_report(out: Path) -> int:
 
 
 def main() -> int:
-    from vllm_dspark.tools.bench import cpu_setup
+    from vllm_dspark.tools import cpu_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--suite", choices=("default", "never-lose", "verification", "draft-vocab"), default="default")
@@ -266,10 +266,10 @@ def main() -> int:
                          "engine as the control (resolves a few percent where cells back to back cannot)")
     ap.add_argument("--builds", type=int, default=1,
                     help="--lockstep: build the engines this many times, in rotated orders, --repeats each "
-                         "(later-built engines ran faster: see vllm_dspark/tools/bench/lockstep.py)")
+                         "(later-built engines ran faster: see benchmarks/harness/lockstep.py)")
     ap.add_argument("--share-weights", action="store_true",
                     help="--lockstep: every engine reads the first-built engine's target weights (one copy in "
-                         "memory: see vllm_dspark/tools/bench/shared_weights.py)")
+                         "memory: see benchmarks/harness/shared_weights.py)")
     ap.add_argument("--kv-cache-gib", type=int, default=2,
                     help="--lockstep: KV cache per engine (every engine of the run lives in this process)")
     cpu_setup.add_flag(ap)
@@ -287,7 +287,7 @@ def main() -> int:
 
     from dataclasses import replace
 
-    from vllm_dspark.tools.bench.e2e import (
+    from benchmarks.harness.e2e import (
         default_pair,
         draft_vocab_configs,
         never_lose_configs,
@@ -309,8 +309,8 @@ def main() -> int:
     conc = tuple(int(x) for x in (args.concurrency or default_conc).split(","))
     temps = tuple(float(x) for x in args.temperatures.split(","))
     if args.suite == "never-lose":
+        from benchmarks.harness.never_accepted import never_accepted_drafter
         from vllm_dspark.cache import cache_dir
-        from vllm_dspark.tools.bench.never_accepted import never_accepted_drafter
 
         configs = never_lose_configs(pair, str(never_accepted_drafter(pair.draft, cache_dir() / "bench" /
                                                                       "never-accepted")))
@@ -336,7 +336,7 @@ def main() -> int:
     rows: list[dict] = []
     t0 = time.monotonic()
     if args.lockstep:
-        from vllm_dspark.tools.bench.lockstep import run_lockstep
+        from benchmarks.harness.lockstep import run_lockstep
 
         rows = run_lockstep(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                             max_tokens=args.max_tokens, repeats=args.repeats, builds=args.builds,

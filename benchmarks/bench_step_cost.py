@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """What one target step costs, by tokens per request: vLLM (plain, speculative) against a plain-PyTorch floor.
 
-    .venv/bin/python scripts/bench_step_cost.py --out docs/benchmarks/step-cost     # bf16 + float32, ~20 min
-    .venv/bin/python scripts/bench_step_cost.py --quick                             # smoke test, ~4 min
+    .venv/bin/python benchmarks/bench_step_cost.py --out docs/benchmarks/step-cost     # bf16 + float32, ~20 min
+    .venv/bin/python benchmarks/bench_step_cost.py --quick                             # smoke test, ~4 min
 
 For the default target (SmolLM2-135M-Instruct) in each dtype, at batch 1, 8 and 32:
 
@@ -45,7 +45,7 @@ over 9 repeats in a record git keeps: ``step-cost-k7-batch1-9-repeats``).
 
 On a shared machine, pause other work first (``docs/benchmarks/method.md``).
 Writes ``results.json``, ``report.md`` and PNG plots into ``--out``; the analysis, the report
-and the plots are ``vllm_dspark/tools/bench/step_cost_report.py``, and ``--render-only`` makes
+and the plots are ``benchmarks/harness/step_cost_report.py``, and ``--render-only`` makes
 them again from a record's ``results.json``.
 """
 
@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_dspark.tools.bench.step_cost_report import analyse, int_keys, json_default, write_outputs  # noqa: E402
+from benchmarks.harness.step_cost_report import analyse, int_keys, json_default, write_outputs  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -191,7 +191,7 @@ def logits_check(plain, spec, floor, prompt: list[int], use_hf: bool, block: int
 
 def wait_quiet(max_wait_s: float, pids: list[int], threshold: float = 0.1, window_s: float = 3.0) -> dict:
     """Wait (at most ``max_wait_s``) for a ``window_s`` window in which other processes use < threshold CPUs."""
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     watch = S.ForeignCPU(pids)
     t0 = time.monotonic()
@@ -220,7 +220,7 @@ def run_group(plain, spec, floor, group: list[tuple], args, common: dict) -> tup
     if len(group) == 1:
         kind, b, x = group[0]
         return [run_cell(plain, spec, floor, kind, b, x, args, common)], None
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     cells = [open_args(plain, spec, floor, kind, b, x, args) for kind, b, x in group]
     return S.run_lockstep(cells, common["min_seconds"], common["min_steps"], gap_s=args.lockstep_gap_ms / 1e3)
@@ -238,11 +238,11 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
 
     Two identical engines in separate processes run apart by a few percent, alike in
     every repeat of one start: mostly where each process's weights landed in memory
-    (``tools/bench/shared_weights.py``). That bias survives any number of repeats
+    (``benchmarks/harness/shared_weights.py``). That bias survives any number of repeats
     within one start, so each build starts the workers anew, and its repeats are
     numbered after the previous build's: the record's spread covers the builds.
     """
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     rec: dict = {"dtype": dtype, "load_before": S.load_snapshot(), "builds": args.builds, "cells": []}
     t0 = time.monotonic()
@@ -256,7 +256,7 @@ def measure_dtype(args, dtype: str, paths: dict) -> dict:
 
 
 def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(args.threads),
@@ -295,7 +295,7 @@ def start_workers(args, dtype: str, paths: dict, build: int) -> dict:
 
 
 def measure_build(args, dtype: str, paths: dict, rec: dict, build: int) -> None:
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     t0 = time.monotonic()
     workers: dict = {}
@@ -416,14 +416,14 @@ def main(argv=None) -> int:
     if args.render_only:
         return render_only(args.out)
     if argv is None:  # run as a script (the re-exec repeats its command line)
-        from vllm_dspark.tools.bench import cpu_setup
+        from vllm_dspark.tools import cpu_setup
 
         cpu_setup.reexec_with(args.cpu_setup)
     # SIGTERM/SIGHUP end the run through the finally blocks (the worker processes are closed).
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
+    from benchmarks.harness import step_cost as S
     from vllm_dspark.tools import default_pair as dp
-    from vllm_dspark.tools.bench import step_cost as S
 
     try:
         paths = dp.default_paths()
@@ -432,7 +432,8 @@ def main(argv=None) -> int:
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    command = " ".join([".venv/bin/python scripts/bench_step_cost.py", *(argv if argv is not None else sys.argv[1:])])
+    command = " ".join([".venv/bin/python benchmarks/bench_step_cost.py",
+                        *(argv if argv is not None else sys.argv[1:])])
     result: dict = {"command": command, "machine": S.machine_record(), "pair": paths,
                     "ld_preload": os.environ.get("LD_PRELOAD", ""),
                     "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

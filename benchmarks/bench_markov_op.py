@@ -28,7 +28,7 @@ Logit regimes (synthetic; stated so that the numbers can be judged):
 Times are the best of ``--reps`` (op) and ``--loop-reps`` (loop) runs, so a
 busy shared machine penalises both sides alike.
 
-Run: ``python scripts/bench_markov_op.py`` (CPU, ~2-3 minutes on 2 cores);
+Run: ``python benchmarks/bench_markov_op.py`` (CPU, ~2-3 minutes on 2 cores);
 ``--device cuda`` on a GPU machine (measured: the CUDA op against the same
 dense loop on the GPU); ``--out FILE`` also writes the table.
 
@@ -253,7 +253,7 @@ def model_h200(args):
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "emulate_cuda", Path(__file__).resolve().parent / "emulate_cuda.py")
+        "emulate_cuda", Path(__file__).resolve().parents[1] / "scripts" / "emulate_cuda.py")
     E = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(E)
     hw = H200

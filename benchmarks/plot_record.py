@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Draw a benchmark record's plots again from its ``results.json`` (no engine, no model).
 
-    .venv/bin/python scripts/plot_record.py docs/benchmarks/copy-e2e-float32
-    .venv/bin/python scripts/plot_record.py --all
+    .venv/bin/python benchmarks/plot_record.py docs/benchmarks/copy-e2e-float32
+    .venv/bin/python benchmarks/plot_record.py --all
 
 Records keep their numbers, not their pictures: PNGs are not committed (they
 were half of ``docs/benchmarks``, several versions of each). The plots are
@@ -64,7 +64,7 @@ def plot_record(record: Path) -> list[str]:
         rows = [dict(r, speedup=r.get("speedup_median", r.get("speedup"))) for r in results["rows"]]
         return _script("bench_e2e").plots(rows, record)
     if kind == "step-cost":
-        from vllm_dspark.tools.bench.step_cost_report import int_keys, plots
+        from benchmarks.harness.step_cost_report import int_keys, plots
 
         return plots(json.loads(json.dumps(results), object_hook=int_keys), record)
     if kind == "load-test":

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_dspark.tools import cli
-from vllm_dspark.tools.bench import cpu_setup
+from vllm_dspark.tools import cli, cpu_setup
 
 
 class Exec(Exception):
@@ -26,6 +25,9 @@ def libs(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cpu_setup.os, "execve", execve)
     monkeypatch.delenv(cpu_setup._MARK, raising=False)
+    # Importing vLLM's CPU platform adds torch's libgomp to this process's LD_PRELOAD: start clean,
+    # whatever ran before in this session.
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     return found, calls
 
 

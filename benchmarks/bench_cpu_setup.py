@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """What vLLM's recommended CPU set-up (tcmalloc + Intel OpenMP preloaded) buys here (a benchmark).
 
-    .venv/bin/python scripts/bench_cpu_setup.py --out docs/benchmarks/cpu-setup
+    .venv/bin/python benchmarks/bench_cpu_setup.py --out docs/benchmarks/cpu-setup
 
 Every engine is alive at once and measured interleaved (``run_interleaved``):
 no speculation, n-gram and DSpark, each with and without the preloads, bf16,
@@ -57,8 +57,8 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    from vllm_dspark.tools.bench import cpu_setup
-    from vllm_dspark.tools.bench.e2e import EngineConfig, default_pair, dspark_spec, run_interleaved
+    from benchmarks.harness.e2e import EngineConfig, default_pair, dspark_spec, run_interleaved
+    from vllm_dspark.tools import cpu_setup
 
     preload, missing = cpu_setup.preload_value()
     if missing:

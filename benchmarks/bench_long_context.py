@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Acceptance against context length past the drafter's trained context, window on and off (a benchmark).
 
-    .venv/bin/python scripts/bench_long_context.py --out docs/benchmarks/long-context
+    .venv/bin/python benchmarks/bench_long_context.py --out docs/benchmarks/long-context
 
 The default pair's drafter was trained on 1,024-token sequences; SmolLM2
 serves 8,192. Real long documents (held-out files of the Python standard
@@ -64,7 +64,7 @@ def build_prompts(tok, lengths, per_length, seed=0):
 def run(target, spec, prompts, max_tokens, *, probe_len=None):
     from vllm import SamplingParams
 
-    from vllm_dspark.tools.bench.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
+    from benchmarks.harness.engine import acceptance_summary, draft_kv_blocks, llm_engine, spec_metrics
 
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     res = {"by_length": {}}
@@ -141,8 +141,8 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    from benchmarks.harness.e2e import dspark_spec
     from vllm_dspark.tools import default_pair as dp
-    from vllm_dspark.tools.bench.e2e import dspark_spec
 
     paths = dp.default_paths()
     tok = AutoTokenizer.from_pretrained(paths["target"])
@@ -195,7 +195,7 @@ def main() -> int:
         "# Long context: acceptance and draft KV past the trained context\n\n"
         f"```\n{json.dumps(meta, indent=1)}\n```\n\n"
         + "\n".join(lines) + "\n\n## Draft KV cache of one request\n\n" + "\n".join(kv_lines)
-        + f"\n\nPlot (not kept in git): `python scripts/plot_record.py {out}` draws {PLOT}.\n")
+        + f"\n\nPlot (not kept in git): `python benchmarks/plot_record.py {out}` draws {PLOT}.\n")
     print("\n".join(lines))
     print("\n".join(kv_lines))
     return 0

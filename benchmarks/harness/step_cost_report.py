@@ -1,6 +1,6 @@
 """The step-cost record from its measurements: the analysis, ``report.md`` and the plots.
 
-Split from ``scripts/bench_step_cost.py``, which measures (see its docstring for
+Split from ``benchmarks/bench_step_cost.py``, which measures (see its docstring for
 what is timed and how). The run's cells are analysed here, and the record keeps
 the analysis and a digest of the cells (:func:`slim`), not the cells' step times.
 Everything else reads only that ``results.json``, so a record's report and plots
@@ -80,7 +80,7 @@ def combined_phases(timer: dict, ops: dict | None) -> dict:
 
 
 def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     cells = rec["cells"]
     qs = sorted({c["x"] for c in cells if c["kind"] == "floor"})
@@ -163,7 +163,7 @@ def rx(s: dict | None) -> str:
 def cells_digest(cells: list[dict]) -> dict:
     """What the report reads of the cells besides the analysis, for a record that keeps no cells:
     each cell's share of other processes' CPU, and each lockstep cell's position bias."""
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     return {"foreign_cpu_share": [[c["kind"], c["batch"], c["x"], c["repeat"], c.get("foreign_cpu_share", 0.0)]
                                   for c in cells],
@@ -197,7 +197,7 @@ def lockstep_position_lines(biases: list[list], a: dict) -> list[str]:
 
 
 def report(result: dict) -> str:
-    from vllm_dspark.tools.bench import step_cost as S
+    from benchmarks.harness import step_cost as S
 
     m = result["machine"]
     a = result["args"]

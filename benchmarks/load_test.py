@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Bounded load and fault test of ``vllm serve`` with DSpark, against the same server without speculation.
 
-    .venv/bin/python scripts/load_test.py                       # the default pair (vllm-dspark default)
-    .venv/bin/python scripts/load_test.py --tiny --requests 48  # a tiny random pair built in seconds
+    .venv/bin/python benchmarks/load_test.py                       # the default pair (vllm-dspark default)
+    .venv/bin/python benchmarks/load_test.py --tiny --requests 48  # a tiny random pair built in seconds
 
 For each configuration (DSpark first, then no speculation) the script starts ``vllm serve`` on
 127.0.0.1 (a free port), in float32 (greedy decoding is then exactly lossless on a CPU), and
@@ -510,7 +510,7 @@ def write_report(out: Path, meta: dict, summaries: list[dict], greedy: dict, ver
     errs = [e for s in summaries for e in s["errors"]]
     if errs:
         L += ["", "## Errors", ""] + [f"- {e}" for e in errs[:20]]
-    L += ["", f"Plot (not kept in git): `python scripts/plot_record.py {out}` draws latency.png.", "",
+    L += ["", f"Plot (not kept in git): `python benchmarks/plot_record.py {out}` draws latency.png.", "",
           ("TTFT: from sending the request to the first chunk carrying tokens. ITL: gaps between chunks that "
            "carry tokens (DSpark streams several tokens per chunk when drafts are accepted). TPOT: (last chunk - "
            "first chunk) / (tokens - 1) per request. Disconnecting clients close the connection after 1-4 chunks; "
@@ -541,7 +541,7 @@ def has_chat_template(target: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vllm_dspark.tools.bench import cpu_setup
+    from vllm_dspark.tools import cpu_setup
 
     p = argparse.ArgumentParser(description="Bounded load and fault test of vllm serve with DSpark vs without.")
     p.add_argument("--target", help="target model directory (default: the default pair's)")
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     if greedy["mismatches"]:
         failures.append(f"{greedy['mismatches']} greedy mismatches")
     verdict = {"pass": not failures, "failures": failures}
-    meta = {"command": shlex.join([Path(sys.executable).name, "scripts/load_test.py", *(argv if argv is not None
+    meta = {"command": shlex.join([Path(sys.executable).name, "benchmarks/load_test.py", *(argv if argv is not None
                                                                                        else sys.argv[1:])]),
             "date": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "machine": f"{os.cpu_count()} CPUs",
             "target": target, "draft": draft, "clients": args.clients, "requests": args.requests,

@@ -2,7 +2,7 @@
 """The DSpark proposer's own time per drafting step, for two source trees of this project, interleaved.
 
     git worktree add /tmp/before <commit>
-    .venv/bin/python scripts/bench_propose_ab.py --tree before=/tmp/before --tree after=. \\
+    .venv/bin/python benchmarks/bench_propose_ab.py --tree before=/tmp/before --tree after=. \\
         --batches 1,8,32 --out docs/benchmarks/propose-ab-layout-cuts
 
 Answers "did this change make the draft step slower?" for a change inside the proposer (a
@@ -31,6 +31,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# After the tree under test (PYTHONPATH): its vllm_dspark wins, and this checkout's harness serves a
+# tree from before benchmarks/ left the package.
+sys.path.append(str(ROOT))
 PHASES = ("feedback", "layout", "block_forward", "markov_stage", "verify")
 # Parts inside those phases (each also counted in its phase); a tree that predates one reports none.
 PARTS = ("block.metadata", "block.context_kv", "stage.lm_head", "stage.confidence", "stage.markov_op")
@@ -44,7 +47,7 @@ def child(dtype: str, batches: list[int]) -> dict:
     steps) and any one-time setup of the drafter's kernels."""
     from vllm import SamplingParams
 
-    from vllm_dspark.tools.bench.engine import llm_engine
+    from benchmarks.harness.engine import llm_engine
     from vllm_dspark.tools.default_pair import default_paths
 
     p = default_paths()
@@ -73,7 +76,7 @@ def child(dtype: str, batches: list[int]) -> dict:
 
 
 def cpu() -> str:
-    from vllm_dspark.tools.bench.cpu_setup import describe
+    from vllm_dspark.tools.cpu_setup import describe
 
     m = describe()
     return f"{m['cores']} cores, {m['cpu']}, flags: {' '.join(m['flags']) or 'none of avx2/avx512/amx'}"
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "results.json").write_text(json.dumps(
-            {"command": " ".join(["scripts/bench_propose_ab.py", *sys.argv[1:]]), "cpu": cpu(), "dtype": a.dtype,
+            {"command": " ".join(["benchmarks/bench_propose_ab.py", *sys.argv[1:]]), "cpu": cpu(), "dtype": a.dtype,
              "date": time.strftime("%Y-%m-%d"), "trees": dict(trees), "rounds": rounds}, indent=1) + "\n")
         (a.out / "report.md").write_text(
             f"# Proposer time per drafting step, {' vs '.join(names)}\n\n{time.strftime('%Y-%m-%d')}, {cpu()}, "

@@ -48,8 +48,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from vllm_dspark.tools.bench.step_common import EngineSpec, classify_op, random_prompts, run_until, typical_mean
-from vllm_dspark.tools.bench.step_floor import FloorServer
+from benchmarks.harness.step_common import EngineSpec, classify_op, random_prompts, run_until, typical_mean
+from benchmarks.harness.step_floor import FloorServer
 
 # ------------------------------------------------------------------ pure helpers
 
@@ -365,7 +365,7 @@ class PairServer:
     """
 
     def __init__(self, spec: EngineSpec):
-        from vllm_dspark.tools.bench.shared_weights import share_weights, target_model  # imports torch
+        from benchmarks.harness.shared_weights import share_weights, target_model  # imports torch
 
         if sorted(n for n in spec.order if n != "floor") != ["plain", "spec"] or spec.order.count("floor") > 1:
             raise ValueError(f"PairServer: order must name 'plain' and 'spec' once each (and 'floor' at most once), "
@@ -410,7 +410,7 @@ class EngineProxy:
 
 class Worker:
     """A child process running an :class:`EngineServer`, a :class:`PairServer` or a
-    :class:`~vllm_dspark.tools.bench.step_floor.FloorServer`."""
+    :class:`~benchmarks.harness.step_floor.FloorServer`."""
 
     def __init__(self, spec: EngineSpec, env: dict, log: Callable[[str], None] = print,
                  start_timeout: float = 900.0):
@@ -459,7 +459,7 @@ def run_lockstep(cells: Sequence[tuple[Any, dict]], min_seconds: float, min_step
 
     Cells run back to back see different seconds of this machine, whose memory
     bandwidth drifts by 10-20% from one second to the next (see
-    :mod:`vllm_dspark.tools.bench.lockstep`): a ratio of two such cells carries
+    :mod:`benchmarks.harness.lockstep`): a ratio of two such cells carries
     that drift. Here every round runs one step of every cell, in reversed order
     on odd rounds, so the cells of a group share the same seconds; one worker
     runs at a time, the others wait on their pipes. Rounds go on until every
