@@ -104,7 +104,7 @@ BENCH_RESERVE_S = 75.0  # of the budget kept for the timing part
 
 def _bench_inputs():
     """benchmarks/bench_markov_op.py's ``make_inputs`` (its peaky/flat regimes)."""
-    spec = importlib.util.spec_from_file_location("bench_markov_op", ROOT / "scripts" / "bench_markov_op.py")
+    spec = importlib.util.spec_from_file_location("bench_markov_op", ROOT / "benchmarks" / "bench_markov_op.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
