@@ -37,7 +37,7 @@ LENGTHS = (512, 1024, 2048, 4096, 8000)
 def build_prompts(tok, lengths, per_length, seed=0):
     import random
 
-    from vllm_dspark.tools.training.chat_prompts import heldout_documents
+    from training.pipeline.chat_prompts import heldout_documents
 
     docs = heldout_documents(min_chars=40000)
     rng = random.Random(seed)

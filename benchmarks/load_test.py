@@ -69,7 +69,7 @@ def _long_prompt(texts: list[str], rng: random.Random, chars: int) -> str:
 
 def build_mix(n: int, seed: int, api: str, max_model_len: int, disconnect_share: float,
               long_chars: int = 5000) -> list[Job]:
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from training.pipeline.chat_prompts import chat_eval_prompts, humaneval_prompts
 
     rng = random.Random(seed)
     chat, code = chat_eval_prompts(), humaneval_prompts()

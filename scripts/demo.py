@@ -70,7 +70,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from benchmarks.harness.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts
+    from training.pipeline.chat_prompts import chat_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(paths["target"])
     questions = chat_eval_prompts(args.num_prompts)

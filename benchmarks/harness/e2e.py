@@ -46,8 +46,8 @@ def default_pair(num_prompts: int | None = None) -> Pair:
     """SmolLM2-135M-Instruct + the shipped drafters; chat set and HumanEval, chat-templated."""
     from transformers import AutoTokenizer
 
+    from training.pipeline.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
     from vllm_dspark.tools import default_pair as dp
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
 
     paths = dp.default_paths()
     tok = AutoTokenizer.from_pretrained(paths["target"])

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_dspark.tools.training import prompt_set
-from vllm_dspark.tools.training.conversations import SETS, pack, restore, unpack
-from vllm_dspark.tools.training.generate import read_done
+from training.pipeline import prompt_set
+from training.pipeline.conversations import SETS, pack, restore, unpack
+from training.pipeline.generate import read_done
 
 ARCHIVE = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "smollm2" / "conversations"
 
@@ -75,7 +75,7 @@ def test_archived_training_conversations_are_disjoint_from_every_evaluation_prom
 
 
 def test_reading_for_the_archive_never_cuts_a_file_a_generator_is_writing(tmp_path):
-    from vllm_dspark.tools.training.conversations import read_rows
+    from training.pipeline.conversations import read_rows
 
     path = tmp_path / "done.jsonl"
     raw = json.dumps(_rows()[0]) + "\n" + '{"i": 1, "ids": [1, 2'  # the writer is mid-line

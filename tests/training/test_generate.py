@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from vllm_dspark.tools.training.generate import generated_tokens, read_done
+from training.pipeline.generate import generated_tokens, read_done
 
 
 def test_a_half_written_last_line_is_cut_off_and_the_rest_kept(tmp_path):

@@ -12,8 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from vllm_dspark.tools.training import prompt_set, sharegpt
-from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
+from training.pipeline import prompt_set, sharegpt
+from training.pipeline.chat_prompts import chat_eval_prompts, copy_eval_prompts, humaneval_prompts
+from vllm_dspark.tools.prompt_record import read_record
 
 RECORD = Path(__file__).resolve().parents[2] / "vllm_dspark" / "assets" / "smollm2" / "train_prompts.npz"
 
@@ -71,7 +72,7 @@ def test_minhash_estimates_jaccard():
 
 @pytest.mark.skipif(not RECORD.exists(), reason="no training run recorded its prompts yet")
 def test_the_recorded_training_prompts_are_disjoint_from_every_evaluation_prompt():
-    rec = prompt_set.read_record(RECORD)
+    rec = read_record(RECORD)
     hashes = set(int(h) for h in rec["hashes"])
     assert len(hashes) > 1000 and rec["minhash"].shape == (len(rec["hashes"]), prompt_set.NUM_PERM)
     evals = chat_eval_prompts() + humaneval_prompts() + copy_eval_prompts()

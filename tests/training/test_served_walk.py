@@ -6,9 +6,9 @@ import numpy as np
 import torch
 
 from tests.training.test_trainer import _config, embed, features, target_dir  # noqa: F401 (fixtures)
-from vllm_dspark.tools.training.drafter import init_drafter
-from vllm_dspark.tools.training.served_walk import anchor_hits, answer_spans, served_walk, summarize, walk
-from vllm_dspark.tools.training.trainer import block_hits, evaluate
+from training.pipeline.drafter import init_drafter
+from training.pipeline.served_walk import anchor_hits, answer_spans, served_walk, summarize, walk
+from training.pipeline.trainer import block_hits, evaluate
 
 
 def test_answer_spans_are_the_runs_of_target_tokens():
@@ -67,7 +67,7 @@ def test_served_walk_reports_vllm_convention(features, target_dir, embed):  # no
 
 def test_training_evals_report_the_served_walk_and_log_full_vocabulary_steps(features, target_dir, embed,  # noqa: F811
                                                                              tmp_path):
-    from vllm_dspark.tools.training.trainer import TrainArgs, eval_anchors, train
+    from training.pipeline.trainer import TrainArgs, eval_anchors, train
 
     fs, _ = features
     cfg = _config(target_dir)
@@ -82,7 +82,7 @@ def test_training_evals_report_the_served_walk_and_log_full_vocabulary_steps(fea
 
 
 def test_the_bootstrap_interval_holds_the_walk_and_narrows_with_more_conversations():
-    from vllm_dspark.tools.training.served_walk import bootstrap_accept_len
+    from training.pipeline.served_walk import bootstrap_accept_len
 
     g = np.random.default_rng(0)
     few = [list(g.integers(0, 4, size=g.integers(5, 30))) for _ in range(8)]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from vllm_dspark.tools.training.stages import parse_stages, run_stages
+from training.pipeline.stages import parse_stages, run_stages
 
 ORDER = ("prompts", "generate", "capture", "dspark")
 

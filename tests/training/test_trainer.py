@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_dspark.tools.training.drafter import build_drafter_config, init_drafter
-from vllm_dspark.tools.training.features import FeatureSet, capture
-from vllm_dspark.tools.training.trainer import (
+from training.pipeline.drafter import build_drafter_config, init_drafter
+from training.pipeline.features import FeatureSet, capture
+from training.pipeline.trainer import (
     TrainArgs,
     block_loss,
     eligible_anchors,
@@ -170,7 +170,7 @@ def test_training_resumes_after_a_kill_with_the_same_result(features, target_dir
     assert len(rec["curve"]) == 6 and "eval" in rec["curve"][-1] and rec["finished"]
     assert rec["blocks"] == 6 * 2 * 4
 
-    import vllm_dspark.tools.training.trainer as T
+    import training.pipeline.trainer as T
 
     class Killed(Exception):
         pass
@@ -274,7 +274,7 @@ def test_a_draft_vocabulary_loss_scores_its_tokens_only_and_drops_labels_outside
 
 
 def test_training_on_a_subset_draws_only_its_conversations(features, target_dir, embed, tmp_path, monkeypatch):
-    import vllm_dspark.tools.training.trainer as T
+    import training.pipeline.trainer as T
 
     fs, _ = features
     cfg = _config(target_dir)

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
+from training.pipeline.capture import greedy_generate, target_pass
+from training.pipeline.drafter import build_drafter_config, init_drafter
+from training.pipeline.evaluate import simulate_acceptance
+from training.pipeline.export import export_drafter
 from vllm_dspark.checkpoint import load_reference_model, validate_checkpoint
-from vllm_dspark.tools.training.capture import greedy_generate, target_pass
-from vllm_dspark.tools.training.drafter import build_drafter_config, init_drafter
-from vllm_dspark.tools.training.evaluate import simulate_acceptance
-from vllm_dspark.tools.training.export import export_drafter
 
 ASSETS = Path(__file__).resolve().parents[1] / "fixtures" / "toy_pair"
 VOCAB = 111  # odd on purpose
@@ -45,7 +45,7 @@ def drafter_config(target):
 
 
 def test_target_step_reduces_loss():
-    from vllm_dspark.tools.training.target import TargetTrainArgs, train_target
+    from training.pipeline.target import TargetTrainArgs, train_target
 
     model = tiny_target(seed=1)
     for p in model.parameters():
@@ -134,10 +134,10 @@ def test_bundled_pair_is_consistent():
 
 
 def test_greedy_continuations_become_features_the_trainer_reads(tmp_path, target, drafter_config):
-    """The toy pipeline's path (scripts/train_tiny.py): greedy text -> captured features -> the one trainer."""
-    from vllm_dspark.tools.training.capture import generate_distill_set
-    from vllm_dspark.tools.training.features import capture
-    from vllm_dspark.tools.training.trainer import TrainArgs, eval_anchors, train
+    """The toy pipeline's path (training/train_tiny.py): greedy text -> captured features -> the one trainer."""
+    from training.pipeline.capture import generate_distill_set
+    from training.pipeline.features import capture
+    from training.pipeline.trainer import TrainArgs, eval_anchors, train
 
     cfg = drafter_config
     stream = np.random.RandomState(0).randint(3, VOCAB, 500).astype(np.int32)
@@ -165,10 +165,10 @@ def test_greedy_continuations_become_features_the_trainer_reads(tmp_path, target
 @pytest.mark.skipif(not (ASSETS / "drafter" / "config.json").exists(), reason="no bundled drafter")
 def test_bundled_pair_drafts_well():
     """The shipped drafter beats its Markov-off ablation on held-out prompts (offline, greedy)."""
-    from vllm_dspark.tools.training.capture import load_target
-    from vllm_dspark.tools.training.corpus import read_jsonl
-    from vllm_dspark.tools.training.evaluate import greedy_chains
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer
+    from training.pipeline.capture import load_target
+    from training.pipeline.corpus import read_jsonl
+    from training.pipeline.evaluate import greedy_chains
+    from training.pipeline.tokenizer import load_tokenizer
 
     tok = load_tokenizer(ASSETS / "target")
     target = load_target(ASSETS / "target")

@@ -6,7 +6,7 @@
   checkpoint (bf16 safetensors, config, tokenizer, chat template) in the cache
   directory, outside the git tree, and afterwards only checks it.
 * Drafter: the DSpark drafter trained here on the target's own answers
-  (``scripts/train_default.py``), shipped in the package
+  (``training/train_default.py``), shipped in the package
   (``vllm_dspark/assets/smollm2/dspark``). The DFlash-style ablation trained
   with the same data and budget sits beside it (``.../dflash``).
 

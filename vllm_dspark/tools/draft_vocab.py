@@ -8,7 +8,7 @@ Build it from the drafter's TRAINING text, never from the prompts you evaluate
 on: a table fitted to the evaluation set flatters the measured speed-up.
 
 :func:`default_pair_training_turns` writes the default pair's training turns
-(the human turns ``scripts/train_default.py`` trained on, as
+(the human turns ``training/train_default.py`` trained on, as
 ``vllm_dspark/assets/smollm2/train_prompts.npz`` records them) as such a JSONL;
 ``python -m vllm_dspark.tools.draft_vocab`` rebuilds the shipped
 ``assets/smollm2/dspark/token_frequency.json`` from it.
@@ -126,13 +126,13 @@ def default_pair_training_turns(out: str | Path, *, prompts_json: str | Path | N
                                 record: str | Path = TRAIN_RECORD) -> int:
     """Write the default drafter's training turns as ``{"text": ...}`` lines; returns how many.
 
-    The texts come from the training run's ``prompts.json`` (``scripts/train_default.py``'s prompt
+    The texts come from the training run's ``prompts.json`` (``training/train_default.py``'s prompt
     stage, in the cache); a turn is kept only when its hash is in ``train_prompts.npz``, the record of
     the turns actually trained on, and every recorded hash must be found (else the cache's prompts are
     not the ones trained on, and nothing is written).
     """
     from vllm_dspark.cache import cache_dir
-    from vllm_dspark.tools.training.prompt_set import prompt_hash, read_record
+    from vllm_dspark.tools.prompt_record import prompt_hash, read_record
 
     src = Path(prompts_json) if prompts_json else cache_dir() / "train" / "smollm2" / "prompts.json"
     want = {int(h) for h in read_record(record)["hashes"]}
@@ -145,14 +145,14 @@ def default_pair_training_turns(out: str | Path, *, prompts_json: str | Path | N
                 texts[h] = turn
     if len(texts) != len(want):
         raise RuntimeError(f"{src} holds {len(texts)} of the {len(want)} training turns {record} records; "
-                           "regenerate it with scripts/train_default.py's prompt stage")
+                           "regenerate it with training/train_default.py's prompt stage")
     p = Path(out)
     p.write_text("".join(json.dumps({"text": texts[h]}) + "\n" for h in sorted(texts)))
     return len(texts)
 
 
 DEFAULT_SOURCE = ("the default drafter's training prompts: the {turns:,} distinct human turns recorded in "
-                  "vllm_dspark/assets/smollm2/train_prompts.npz (texts from scripts/train_default.py's "
+                  "vllm_dspark/assets/smollm2/train_prompts.npz (texts from training/train_default.py's "
                   "prompts.json), no evaluation prompts; built by `python -m vllm_dspark.tools.draft_vocab`, i.e. "
                   "vllm-dspark vocab-table --tokenizer <default target> --input train_turns.jsonl --out "
                   "vllm_dspark/assets/smollm2/dspark/token_frequency.json")

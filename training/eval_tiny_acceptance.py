@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """Offline acceptance of the bundled (or any) target + DSpark drafter pair at greedy.
 
-    python scripts/eval_tiny_acceptance.py [--target DIR] [--drafter DIR] [--out FILE]
+    python training/eval_tiny_acceptance.py [--target DIR] [--drafter DIR] [--out FILE]
 
 Plain torch, no vLLM: the target (Hugging Face) decodes each held-out prompt
 greedily, then greedy speculative decoding is replayed with the reference
-drafter (see ``vllm_dspark.tools.training.evaluate``). Prints and writes the mean
+drafter (see ``training.pipeline.evaluate``). Prints and writes the mean
 acceptance length and per-position acceptance with the Markov head, without
 it (the DFlash-style ablation of the same drafter), and with the
 confidence-gated early stop.
@@ -38,11 +38,11 @@ def main(argv=None) -> int:
 
     import torch
 
+    from training.pipeline.capture import load_target
+    from training.pipeline.corpus import read_jsonl
+    from training.pipeline.evaluate import greedy_chains, simulate_acceptance
+    from training.pipeline.tokenizer import load_tokenizer
     from vllm_dspark.checkpoint import load_reference_model
-    from vllm_dspark.tools.training.capture import load_target
-    from vllm_dspark.tools.training.corpus import read_jsonl
-    from vllm_dspark.tools.training.evaluate import greedy_chains, simulate_acceptance
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
     t0 = time.time()

@@ -1,6 +1,6 @@
 """Run a training pipeline's stages in order, timing each (wall and CPU) into ``timings.json``.
 
-Both pipelines (``scripts/train_default.py``, ``scripts/train_tiny.py``) are a list
+Both pipelines (``training/train_default.py``, ``training/train_tiny.py``) are a list
 of resumable stages over one work directory. A stage's times are added to what
 earlier runs of it took, so a stage resumed after a kill reports its whole cost.
 """

@@ -1,7 +1,7 @@
 """Training DSpark drafters: one pipeline, two users.
 
-``scripts/train_default.py`` trains the default pair's drafter (SmolLM2-135M-Instruct's own
-answers to ShareGPT and code prompts, ``docs/training.md``); ``scripts/train_tiny.py`` rebuilds
+``training/train_default.py`` trains the default pair's drafter (SmolLM2-135M-Instruct's own
+answers to ShareGPT and code prompts, ``docs/training.md``); ``training/train_tiny.py`` rebuilds
 the toy pair the tests use (a tiny Qwen3 target trained on the standard library). Both go
 through the same capture and trainer. The pieces:
 

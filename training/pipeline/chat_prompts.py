@@ -27,7 +27,7 @@ import random
 from importlib import resources
 from pathlib import Path
 
-from vllm_dspark.tools.training import corpus
+from training.pipeline import corpus
 
 TEMPLATES = (
     "Explain {t} in simple terms.",

@@ -92,7 +92,7 @@ def read_rows(path: str | Path) -> list[dict]:
 def restore(archive: str | Path, set_dir: str | Path, log=print) -> int:
     """Seed ``set_dir/done.jsonl`` from ``archive`` when the archive holds more conversations than the
     cache; returns how many conversations the cache holds afterwards."""
-    from vllm_dspark.tools.training.generate import read_done
+    from training.pipeline.generate import read_done
 
     d = Path(set_dir)
     have = read_done(d / "done.jsonl")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Regenerate the bundled default pair from scratch: tokenizer, target, DSpark drafter.
 
-    python scripts/train_tiny.py                 # everything, fixed seed
-    python scripts/train_tiny.py --stages target # one stage (earlier ones must exist)
+    python training/train_tiny.py                 # everything, fixed seed
+    python training/train_tiny.py --stages target # one stage (earlier ones must exist)
 
 Stages, in order (each reads the previous stages' outputs from --work-dir):
 
@@ -41,8 +41,8 @@ def log(msg: str) -> None:
 
 
 def stage_data(args, work: Path) -> None:
-    from vllm_dspark.tools.training import corpus
-    from vllm_dspark.tools.training.tokenizer import train_tokenizer
+    from training.pipeline import corpus
+    from training.pipeline.tokenizer import train_tokenizer
 
     files = corpus.list_sources()
     train, held = corpus.split_sources(files)
@@ -61,8 +61,8 @@ def stage_data(args, work: Path) -> None:
 def _streams(work: Path, tok, eos: int):
     import numpy as np
 
-    from vllm_dspark.tools.training import corpus
-    from vllm_dspark.tools.training.target import tokenize_documents
+    from training.pipeline import corpus
+    from training.pipeline.target import tokenize_documents
 
     cache = work / "streams.npz"
     if cache.exists():
@@ -77,8 +77,8 @@ def _streams(work: Path, tok, eos: int):
 
 
 def stage_target(args, work: Path) -> None:
-    from vllm_dspark.tools.training.target import TargetShape, TargetTrainArgs, build_target, save_target, shape_dict
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer, special_ids
+    from training.pipeline.target import TargetShape, TargetTrainArgs, build_target, save_target, shape_dict
+    from training.pipeline.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
     special = special_ids(tok)
@@ -100,9 +100,9 @@ def stage_generate(args, work: Path) -> None:
     import numpy as np
     import torch
 
-    from vllm_dspark.tools.training.capture import generate_distill_set, greedy_decode_vllm, load_target, sample_prompts
-    from vllm_dspark.tools.training.features import capture
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer, special_ids
+    from training.pipeline.capture import generate_distill_set, greedy_decode_vllm, load_target, sample_prompts
+    from training.pipeline.features import capture
+    from training.pipeline.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
     train, held = _streams(work, tok, special_ids(tok)["eos"])
@@ -130,8 +130,8 @@ def stage_generate(args, work: Path) -> None:
 
 
 def _drafter_config(args, target, tok):
-    from vllm_dspark.tools.training.drafter import build_drafter_config
-    from vllm_dspark.tools.training.tokenizer import special_ids
+    from training.pipeline.drafter import build_drafter_config
+    from training.pipeline.tokenizer import special_ids
 
     n = target.config.num_hidden_layers
     layer_ids = tuple(int(x) for x in args.target_layer_ids.split(",")) if args.target_layer_ids \
@@ -144,11 +144,11 @@ def _drafter_config(args, target, tok):
 def stage_drafter(args, work: Path) -> None:
     import torch
 
-    from vllm_dspark.tools.training.capture import load_target, target_embed_and_head
-    from vllm_dspark.tools.training.drafter import init_drafter
-    from vllm_dspark.tools.training.features import FeatureSet
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer
-    from vllm_dspark.tools.training.trainer import TrainArgs, eval_anchors, fold_aux_scale, train
+    from training.pipeline.capture import load_target, target_embed_and_head
+    from training.pipeline.drafter import init_drafter
+    from training.pipeline.features import FeatureSet
+    from training.pipeline.tokenizer import load_tokenizer
+    from training.pipeline.trainer import TrainArgs, eval_anchors, fold_aux_scale, train
 
     tok = load_tokenizer(work / "tokenizer")
     target = load_target(work / "target")
@@ -174,11 +174,11 @@ def stage_drafter(args, work: Path) -> None:
 def stage_export(args, work: Path) -> None:
     import torch
 
+    from training.pipeline import corpus
+    from training.pipeline.export import export_drafter
+    from training.pipeline.tokenizer import load_tokenizer, special_ids
     from vllm_dspark.config import DSparkConfig
     from vllm_dspark.model.reference import DSparkDraftModel
-    from vllm_dspark.tools.training import corpus
-    from vllm_dspark.tools.training.export import export_drafter
-    from vllm_dspark.tools.training.tokenizer import load_tokenizer, special_ids
 
     tok = load_tokenizer(work / "tokenizer")
     special = special_ids(tok)
@@ -199,7 +199,7 @@ def stage_export(args, work: Path) -> None:
         curves[name] = d
     (assets / "loss_curves.json").write_text(json.dumps(curves, separators=(",", ":")) + "\n")
     (assets / "train_info.json").write_text(json.dumps({
-        "command": "python scripts/train_tiny.py", "seed": args.seed,
+        "command": "python training/train_tiny.py", "seed": args.seed,
         "stdlib_root": str(corpus.stdlib_root()),
         "timings": json.loads((work / "timings.json").read_text()),
     }, indent=1) + "\n")
@@ -212,13 +212,13 @@ def stage_export(args, work: Path) -> None:
 
 
 def train_target_logged(model, train, held, targs):
-    from vllm_dspark.tools.training.target import train_target
+    from training.pipeline.target import train_target
 
     return train_target(model, train, held, targs, log=log)
 
 
 def main(argv=None) -> int:
-    from vllm_dspark.tools.training.stages import parse_stages, run_stages
+    from training.pipeline.stages import parse_stages, run_stages
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "tiny")

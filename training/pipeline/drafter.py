@@ -3,7 +3,7 @@
 ``build_drafter_config`` sizes a drafter for a target (its hidden size, heads,
 vocabulary and the layers whose states it reads); ``init_drafter`` draws its
 starting weights; ``init_from_target`` can start it from the target's own last
-layers. Training is :mod:`vllm_dspark.tools.training.trainer` (the one trainer: the
+layers. Training is :mod:`training.pipeline.trainer` (the one trainer: the
 default pair's pipeline and the toy fixtures' both use it).
 """
 

@@ -2,9 +2,9 @@
 """Probe the default drafter's training recipe: short runs on one shard of the committed corpus,
 each judged by the served walk over the whole held-out chat and HumanEval sets.
 
-    .venv/bin/python scripts/train_probes.py                          # capture, every arm, the record
-    .venv/bin/python scripts/train_probes.py --arms baseline,ce       # some arms
-    .venv/bin/python scripts/train_probes.py --record-only            # the record from the runs so far
+    .venv/bin/python training/train_probes.py                          # capture, every arm, the record
+    .venv/bin/python training/train_probes.py --arms baseline,ce       # some arms
+    .venv/bin/python training/train_probes.py --record-only            # the record from the runs so far
 
 Each arm changes one thing against ``baseline`` (today's recipe, ``docs/training.md``):
 
@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "training"))
 
 import train_default as td  # noqa: E402  (the pipeline's stages and helpers)
 
@@ -48,9 +48,9 @@ def capture_shard(args, work: Path):
     """The walk sets' features and the shard's (the first ``--shard-convs`` training conversations)."""
     import torch
 
-    from vllm_dspark.tools.training.conversations import restore
-    from vllm_dspark.tools.training.features import capture
-    from vllm_dspark.tools.training.generate import read_done
+    from training.pipeline.conversations import restore
+    from training.pipeline.features import capture
+    from training.pipeline.generate import read_done
 
     dtype = getattr(torch, td.target_dtype(args))
     sets = {}
@@ -101,8 +101,8 @@ def warm_start(model, shipped: Path, scale) -> None:
 def walk_eval(model, sets, embed, scale) -> dict:
     """The served walk over every conversation of each walk set, with a bootstrap interval, and the
     teacher-forced acceptance on the set's fixed anchors."""
-    from vllm_dspark.tools.training.served_walk import bootstrap_accept_len, walk_conversations
-    from vllm_dspark.tools.training.trainer import block_hits, eval_anchors, evaluate
+    from training.pipeline.served_walk import bootstrap_accept_len, walk_conversations
+    from training.pipeline.trainer import block_hits, eval_anchors, evaluate
 
     out = {}
     for name in WALK_SETS:
@@ -118,8 +118,8 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids, ship
     import torch
     from transformers import AutoConfig
 
-    from vllm_dspark.tools.training.drafter import init_drafter
-    from vllm_dspark.tools.training.trainer import TrainArgs, aux_scale, train
+    from training.pipeline.drafter import init_drafter
+    from training.pipeline.trainer import TrainArgs, aux_scale, train
 
     train_fs, rows = sets["train_text"]
     cfg = td.drafter_config(args, AutoConfig.from_pretrained(args.target), args.markov_rank)
@@ -136,7 +136,7 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids, ship
     t0 = time.time()
     curve_sets = {}
     if args.eval_every:  # the curve: teacher-forced and the walk over each set's first 4,096 tokens
-        from vllm_dspark.tools.training.trainer import eval_anchors
+        from training.pipeline.trainer import eval_anchors
 
         curve_sets = {n.removeprefix("eval_"): (sets[n][0], eval_anchors(sets[n][0], cfg.block_size, 768, seed=1))
                       for n in WALK_SETS}
@@ -167,9 +167,9 @@ def export_if_better(args, work: Path, arm: str, model, scale, sets, embed, ship
     import copy
     import shutil
 
+    from training.pipeline.export import export_drafter
+    from training.pipeline.trainer import fold_aux_scale
     from vllm_dspark.checkpoint.io import load_reference_model
-    from vllm_dspark.tools.training.export import export_drafter
-    from vllm_dspark.tools.training.trainer import fold_aux_scale
 
     m = copy.deepcopy(model)
     fold_aux_scale(m, scale)
@@ -198,7 +198,7 @@ def shipped_row(args, sets, embed) -> dict:
 
 def write_record(args, out: Path, rows: list[dict], shard: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    results = {"command": "python scripts/train_probes.py " + " ".join(sys.argv[1:]),
+    results = {"command": "python training/train_probes.py " + " ".join(sys.argv[1:]),
                "machine": td.machine_description(), "dtype": _train_dtype(), "shard": shard,
                "steps_per_arm": args.steps, "rows": rows}
     tmp = out / "results.json.tmp"
@@ -229,7 +229,7 @@ def write_record(args, out: Path, rows: list[dict], shard: dict) -> None:
 
 
 def _train_dtype() -> str:
-    from vllm_dspark.tools.training.trainer import bf16_autocast
+    from training.pipeline.trainer import bf16_autocast
 
     return "bf16 autocast" if bf16_autocast() else "float32"
 

@@ -15,31 +15,23 @@ two). A training prompt is dropped when it
 
 The set actually used is recorded in the repository as hashes plus a MinHash
 sketch per prompt (:func:`write_record`), so a test can check disjointness
-without the 125 MB source file.
+without the 125 MB source file; the package reads it
+(:mod:`vllm_dspark.tools.prompt_record`, whose hashing this module uses).
 """
 
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from vllm_dspark.tools.prompt_record import normalize, prompt_hash
+
 NEAR_DUP = 0.5
 NUM_PERM = 16
 _MERSENNE = (1 << 61) - 1
-_TOKEN = re.compile(r"[a-z0-9_]+")
-
-
-def normalize(text: str) -> str:
-    return " ".join(_TOKEN.findall(text.lower()))
-
-
-def prompt_hash(text: str) -> int:
-    """The first 8 bytes of the sha256 of the normalised text, as an unsigned integer."""
-    return int.from_bytes(hashlib.sha256(normalize(text).encode()).digest()[:8], "little")
 
 
 def shingles(text: str, n: int | None = None) -> set[str]:
@@ -112,7 +104,7 @@ class EvalIndex:
 
 def evaluation_index() -> EvalIndex:
     """Every prompt the evaluation, the demo and the benchmarks use."""
-    from vllm_dspark.tools.training.chat_prompts import chat_eval_prompts, humaneval_entry_points, humaneval_prompts
+    from training.pipeline.chat_prompts import chat_eval_prompts, humaneval_entry_points, humaneval_prompts
 
     return EvalIndex(chat_eval_prompts() + humaneval_prompts(), humaneval_entry_points())
 
@@ -132,15 +124,6 @@ def write_record(path: str | Path, prompts: Sequence[str], kinds: Sequence[str],
     os.replace(tmp, p)
 
 
-def read_record(path: str | Path) -> dict:
-    import json
-
-    z = np.load(path)
-    names = [str(k) for k in z["kind_names"]]
-    return {"hashes": z["hashes"], "kinds": [names[k] for k in z["kinds"]], "minhash": z["minhash"],
-            "stats": json.loads(str(z["stats"]))}
-
-
 def estimated_jaccard(sketches: np.ndarray, query: np.ndarray) -> np.ndarray:
     """[N] MinHash estimates of the Jaccard similarity of each recorded prompt with ``query``'s sketch."""
     return (sketches == query[None, :]).mean(axis=1)
@@ -154,8 +137,8 @@ def build(*, seed: int, num_code: int, num_heldout: int, log=print) -> dict:
     """
     import random
 
-    from vllm_dspark.tools.training import corpus, sharegpt
-    from vllm_dspark.tools.training.chat_prompts import _code_prompt, code_tasks
+    from training.pipeline import corpus, sharegpt
+    from training.pipeline.chat_prompts import _code_prompt, code_tasks
 
     rng = random.Random(seed)
     index = evaluation_index()
