@@ -44,8 +44,15 @@ def log(msg: str) -> None:
     print(f"{time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
+def shard_tag(args) -> str:
+    """The shard's name in run and feature folders: its size, and its start when not 0 (the earlier
+    runs' folders keep their names)."""
+    return f"{args.shard_convs}" + (f"from{args.shard_start}" if args.shard_start else "")
+
+
 def capture_shard(args, work: Path):
-    """The walk sets' features and the shard's (the first ``--shard-convs`` training conversations)."""
+    """The walk sets' features and the shard's (``--shard-convs`` training conversations from
+    ``--shard-start``)."""
     import torch
 
     from training.pipeline.conversations import restore
@@ -59,8 +66,8 @@ def capture_shard(args, work: Path):
         rows = read_done(work / name / "done.jsonl")
         out = work / f"features_{name}"
         if name == "train_text":
-            rows = rows[:args.shard_convs]
-            out = work / f"features_train_shard{args.shard_convs}"
+            rows = rows[args.shard_start:args.shard_start + args.shard_convs]
+            out = work / f"features_train_shard{shard_tag(args)}"
         sets[name] = (capture(args.target, rows, out, args.target_layer_ids, log=log, dtype=dtype), rows)
         fs = sets[name][0]
         log(f"[capture] {out.name}: {len(fs)} conversations, {int(fs.offsets[-1]):,} tokens, "
@@ -130,7 +137,7 @@ def run_arm(args, work: Path, arm: str, sets, embed, final_norm, draft_ids, ship
                       served_walk_tokens=4096 if args.eval_every else 0,
                       **({"w_ce": 1.0, "w_l1": 0.3} if arm == "ce" else {}))
     convs = [i for i, r in enumerate(rows) if float(r.get("temperature", 0.0)) == 0.0] if arm == "greedy" else None
-    run_dir = work / "probes" / f"{arm}-shard{args.shard_convs}-steps{args.steps}"
+    run_dir = work / "probes" / f"{arm}-shard{shard_tag(args)}-steps{args.steps}"
     if arm == "warm" and not (run_dir / "ckpt.pt").exists():
         warm_start(model, args.assets_dir / "dspark", aux_scale(train_fs))
     t0 = time.time()
@@ -173,7 +180,7 @@ def export_if_better(args, work: Path, arm: str, model, scale, sets, embed, ship
 
     m = copy.deepcopy(model)
     fold_aux_scale(m, scale)
-    where = work / "probes" / f"export-{arm}-shard{args.shard_convs}-steps{args.steps}"
+    where = work / "probes" / f"export-{arm}-shard{shard_tag(args)}-steps{args.steps}"
     out = export_drafter(m.eval(), where, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     ev = walk_eval(load_reference_model(out).eval(), sets, embed, None)
     better = all(ev[k]["walk"]["accept_len"] > shipped[k]["walk"]["accept_len"] for k in ("chat", "humaneval"))
@@ -206,7 +213,8 @@ def write_record(args, out: Path, rows: list[dict], shard: dict) -> None:
     tmp.replace(out / "results.json")
     lines = ["# The training recipe's probes", "",
              f"`{results['command']}` on {results['machine']}, trainer in {results['dtype']}.",
-             f"Shard: the first {shard['conversations']} conversations of the committed corpus "
+             f"Shard: {shard['conversations']} conversations of the committed corpus from conversation "
+             f"{shard.get('start', 0)} "
              f"({shard['tokens']:,} tokens). Every arm: {args.steps} steps of 4 conversations x 64 anchors, "
              "its own warm-up and cosine; judged by the served walk (every draft verified, greedy) over every "
              "conversation of the held-out chat and HumanEval sets, 95% bootstrap interval over conversations. "
@@ -245,6 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--target", default=None)
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--shard-convs", type=int, default=400)
+    ap.add_argument("--shard-start", type=int, default=0,
+                    help="the shard's first conversation: a run that continues the shipped drafter trains on "
+                         "conversations it has not seen, and its capture is only theirs")
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -273,7 +284,8 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     sets = capture_shard(args, work)
     embed, final_norm = td._target_tensors(args.target)
-    shard = {"conversations": len(sets["train_text"][0]), "tokens": int(sets["train_text"][0].offsets[-1]),
+    shard = {"start": args.shard_start, "conversations": len(sets["train_text"][0]),
+             "tokens": int(sets["train_text"][0].offsets[-1]),
              "greedy_conversations": sum(float(r.get("temperature", 0.0)) == 0.0 for r in sets["train_text"][1])}
     done_path = args.out / "results.json"
     rows = {r["arm"]: r for r in json.loads(done_path.read_text())["rows"]} if done_path.exists() else {}
