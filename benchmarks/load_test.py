@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the checkout: the training pipeline's prompt sets and the tests' tiny pair
 SERVED_NAME = "target"
 
 
@@ -521,7 +522,7 @@ def write_report(out: Path, meta: dict, summaries: list[dict], greedy: dict, ver
 
 # ------------------------------------------------------------------ main
 def tiny_pair(root: Path) -> tuple[str, str]:
-    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+    from tests.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
     bigram = random_bigram(384, seed=21)
     target = make_target(root / "target", vocab_size=384, bigram=bigram, num_layers=3, max_position_embeddings=4096)

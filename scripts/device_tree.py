@@ -5,7 +5,8 @@ The device tool copies this checkout's tree to the GPU machine: every tracked
 file and every untracked file git does not ignore (what
 ``git ls-files --cached --others --exclude-standard`` lists), at most 64 MiB.
 Four tracked weight files (``tests/fixtures/toy_pair/*/model.safetensors``,
-``vllm_dspark/assets/smollm2/*/model.safetensors``) make the tree about 86.5 MiB.
+``vllm_dspark/assets/smollm2/dspark/model.safetensors``, ``training/assets/smollm2/dflash/model.safetensors``)
+make the tree about 86.5 MiB.
 ``scripts/gpu_check.py`` reads none of them: it needs the paths in its
 ``NEEDED`` (the build, ``vllm_dspark/ops``, ``tests/ops/markov_cases.py``, ...).
 From the repository root::

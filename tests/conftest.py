@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.harness.engine import llm_engine
 from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
-from vllm_dspark.tools.tiny_pair import make_drafter
+from tests.tiny_pair import make_drafter
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -160,7 +160,7 @@ def tiny_pair(root: Path, *, vocab: int = VOCAB, seed: int = 3, target: dict | N
     """
     import torch
 
-    from vllm_dspark.tools.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
+    from tests.tiny_pair import drafter_config_for, make_drafter, make_target, random_bigram
 
     bigram = random_bigram(vocab, seed=seed)
     tdir = make_target(root / "target", vocab_size=vocab, bigram=bigram if bigram_target else None,
@@ -190,7 +190,7 @@ def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0, backbon
     draft vocabulary's target ids or None)."""
     import torch
 
-    from vllm_dspark.tools.tiny_pair import (
+    from tests.tiny_pair import (
         TOKEN_IDS,
         make_drafter,
         to_deepspec_layout,

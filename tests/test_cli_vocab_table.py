@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiny_pair import make_tokenizer
 from vllm_dspark.checkpoint.token_frequency import FORMAT, load_frequency_table
 from vllm_dspark.tools import cli
-from vllm_dspark.tools.tiny_pair import make_tokenizer
 
 V = 300
 REPO = Path(__file__).resolve().parents[1]

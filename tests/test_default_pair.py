@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from training.pipeline import ABLATION_DIR
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.tools.default_pair import check_target, draft_dir, target_dir
 
@@ -46,7 +47,7 @@ def test_shipped_drafter_has_the_issue_layout_and_budget():
 
 
 def test_ablation_is_the_same_backbone_without_a_markov_head():
-    a = DSparkConfig.from_json(draft_dir("dflash") / "config.json")
+    a = DSparkConfig.from_json(ABLATION_DIR / "config.json")
     d = DSparkConfig.from_json(draft_dir("dspark") / "config.json")
     assert a.markov_rank == 0 and d.markov_rank > 0
     for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
@@ -63,7 +64,7 @@ def test_ablation_is_the_same_backbone_without_a_markov_head():
 
 @pytest.mark.parametrize("kind", ["dspark", "dflash"])
 def test_shipped_drafters_pass_inspect_against_the_target(kind, target):
-    r = _cli("inspect", str(draft_dir(kind)), "--target", str(target))
+    r = _cli("inspect", str(draft_dir() if kind == "dspark" else ABLATION_DIR), "--target", str(target))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK: no problems found" in r.stdout
 

@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from training.pipeline import ABLATION_DIR  # noqa: E402
+
 STAGES = ("prompts", "generate", "archive", "capture", "dspark", "dflash", "export")
 MASK_TOKEN_ID = 16  # <empty_output>: a special token chat never produces
 
@@ -306,6 +308,8 @@ def stage_export(args, work: Path) -> None:
 
     out = args.assets_dir
     out.mkdir(parents=True, exist_ok=True)
+    # The drafter ships in the package; the ablation, a research artifact, stays in the checkout.
+    where = {"dspark": out / "dspark", "dflash": ABLATION_DIR}
     embed, _ = _target_tensors(args.target)
     records, evals, kept = {}, {}, {}
     ctx = None
@@ -313,10 +317,10 @@ def stage_export(args, work: Path) -> None:
         if kind == "dflash" and not (work / kind / "final.pt").exists():
             # The ablation trains after the drafter (same data and steps); until it has, the
             # shipped one stays, evaluated on this run's held-out sets and named as the old recipe's.
-            if not (out / kind).exists():
-                raise RuntimeError(f"no trained {kind} in {work / kind} and none shipped in {out / kind}; "
+            if not where[kind].exists():
+                raise RuntimeError(f"no trained {kind} in {work / kind} and none kept in {where[kind]}; "
                                    f"run --stages {kind} first")
-            model = load_reference_model(out / kind).eval()
+            model = load_reference_model(where[kind]).eval()
             kept[kind] = "not retrained with this recipe yet: the shipped ablation of the previous one"
             log(f"[export] {kind}: {kept[kind]}")
             evals[kind] = final_evals(args, work, model, embed)
@@ -325,11 +329,11 @@ def stage_export(args, work: Path) -> None:
         if stopped:
             kept[kind] = stopped
             log(f"[export] {kind}: {stopped}")
-        if (out / kind).exists():
-            shutil.rmtree(out / kind)
-        export_drafter(model, out / kind, bos_token_id=1, eos_token_id=2, pad_token_id=2)
-        size = (out / kind / "model.safetensors").stat().st_size
-        log(f"[export] {kind}: {out / kind} ({size / 1e6:.1f} MB)")
+        if where[kind].exists():
+            shutil.rmtree(where[kind])
+        export_drafter(model, where[kind], bos_token_id=1, eos_token_id=2, pad_token_id=2)
+        size = (where[kind] / "model.safetensors").stat().st_size
+        log(f"[export] {kind}: {where[kind]} ({size / 1e6:.1f} MB)")
         if kind == "dspark" and size >= 40e6:
             raise RuntimeError(f"the shipped drafter is {size / 1e6:.1f} MB; the budget is 40 MB")
         records[kind] = json.loads((work / kind / "record.json").read_text())

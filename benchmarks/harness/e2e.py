@@ -56,7 +56,7 @@ def default_pair(num_prompts: int | None = None) -> Pair:
         return [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                         tokenize=False) for p in prompts]
 
-    ablation = dp.draft_dir("dflash")
+    from training.pipeline import ABLATION_DIR as ablation
     return Pair("smollm2", paths["target"], paths["draft"],
                 str(ablation) if (ablation / "config.json").is_file() else None,
                 {"chat": chat(chat_eval_prompts(num_prompts)), "humaneval": chat(humaneval_prompts(num_prompts)),

@@ -255,7 +255,7 @@ def test_canonical_name_maps_every_legacy_prefix():
 
 
 def test_legacy_logit_head_names_load(tmp_path):
-    from vllm_dspark.tools.tiny_pair import make_drafter
+    from tests.tiny_pair import make_drafter
 
     cfg = tiny_config(num_hidden_layers=1)
     new = make_drafter(tmp_path / "new", cfg, seed=5)

@@ -42,7 +42,7 @@ def tiny_models(tmp_path_factory):
     import torch
 
     from tests.helpers import tiny_pair
-    from vllm_dspark.tools.tiny_pair import random_bigram
+    from tests.tiny_pair import random_bigram
 
     draft_bigram = random_bigram(VOCAB, seed=3)
     wrong = torch.arange(0, VOCAB, 4)
@@ -170,9 +170,13 @@ def ray_cluster():
     Yields ``{"address", "port", "proc", "temp_dir", "env", ...}``.
     """
     pytest.importorskip("ray", reason="Ray is not installed: pip install 'ray[default]==2.60.0'")
-    from vllm_dspark.tools.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+    from tests.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
 
-    added = {**RAY_ENV_LOCAL, **ray_auth_env()}
+    # The checkout on the workers' path: the test-only executor's functions (tests/deploy/ray_cpu.py)
+    # reach the Ray actors by reference, and tests/ is not installed.
+    checkout = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join(p for p in (checkout, os.environ.get("PYTHONPATH", "")) if p)
+    added = {**RAY_ENV_LOCAL, **ray_auth_env(), "PYTHONPATH": pythonpath}
     saved = {k: os.environ.get(k) for k in added}
     os.environ.update(added)
     previous = _refresh_imported_ray(False)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from vllm_dspark.tools.tiny_pair import bigram_chain
+from tests.tiny_pair import bigram_chain
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "batch_generate.py"
@@ -83,7 +83,7 @@ def test_killed_run_resumes_without_duplicates_or_gaps(tiny_models, engine_env, 
 
 @pytest.mark.ray
 def test_data_parallel_over_ray_replicas(tiny_models, engine_env, ray_head, tmp_path):
-    from vllm_dspark.tools.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
+    from tests.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
 
     n = 12
     inp = write_prompts(tmp_path / "prompts.jsonl", n)

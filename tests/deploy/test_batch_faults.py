@@ -202,8 +202,8 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.engine
 @pytest.mark.timeout(900)
 def test_replica_killed_mid_run_loses_and_duplicates_nothing(tiny_models, engine_env, ray_cluster, tmp_path):
+    from tests.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
     from tests.deploy.test_batch_engine import base_cmd, check_results, write_prompts
-    from vllm_dspark.tools.deploy.ray_cpu import RAY_CPU_TEST_RESOURCE
 
     n = 24
     inp = write_prompts(tmp_path / "prompts.jsonl", n)

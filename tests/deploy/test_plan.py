@@ -101,7 +101,7 @@ def test_bad_inputs_exit_2_with_a_message(capsys):
 # ------------------------------------------------------------------ against vLLM's own spec
 @pytest.fixture(scope="module")
 def tiny_qwen3(tmp_path_factory):
-    from vllm_dspark.tools.tiny_pair import make_target
+    from tests.tiny_pair import make_target
 
     return make_target(tmp_path_factory.mktemp("tiny") / "target", num_heads=4, num_kv_heads=2,
                        head_dim=64, num_layers=4, dtype=torch.bfloat16)
@@ -121,7 +121,7 @@ def _vllm_bytes_per_token(model_dir, tp: int) -> int:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tiny_target_and_drafter_per_token_match_vllm_spec(tiny_qwen3, tmp_path, tp):
-    from vllm_dspark.tools.tiny_pair import drafter_config_for
+    from tests.tiny_pair import drafter_config_for
 
     target = load_target_config(tiny_qwen3)
     draft = drafter_config_for(tiny_qwen3)

@@ -3,7 +3,7 @@
 A local Ray head (``ray start --head`` on 127.0.0.1, with the test-only
 ``vllm_dspark_cpu_test_slot`` resource standing in for GPUs) serves a tiny
 Qwen3 target at tensor_parallel_size=2 through
-``vllm_dspark.tools.deploy.ray_cpu.RayCpuTestExecutor``. Three engines, one start
+``tests.deploy.ray_cpu.RayCpuTestExecutor``. Three engines, one start
 each (module-scoped): Ray + DSpark, multiprocessing + DSpark, multiprocessing
 without speculation. Greedy tokens must be identical across all three, the
 drafter must really draft (and be partly rejected: its bigram table differs
@@ -62,7 +62,7 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
     from vllm import SamplingParams
 
     from benchmarks.harness.engine import acceptance_summary, llm_engine, spec_metrics
-    from vllm_dspark.tools.deploy.ray_cpu import probe_worker
+    from tests.deploy.ray_cpu import probe_worker
 
     speculative_config = ({"method": "dspark", "model": models["draft"], "num_speculative_tokens": 7,
                            "dspark": PINNED_ACCEPTANCE} if spec else None)
@@ -86,7 +86,7 @@ def _run(models, *, backend, spec: bool, extra_env: dict | None = None) -> dict:
 
 @pytest.fixture(scope="module")
 def ray_spec(models, ray_head):
-    from vllm_dspark.tools.deploy.ray_cpu import RayCpuTestExecutor
+    from tests.deploy.ray_cpu import RayCpuTestExecutor
 
     # RAY_ADDRESS: the engine process attaches to the head instead of starting its own Ray.
     # K3_ENV=1 here only to see that the driver's VLLM_* variables reach the Ray actors

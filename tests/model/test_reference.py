@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.helpers import K3_CONFIG, QWEN3_CONFIG, tiny_config
+from tests.tiny_pair import bigram_chain, expected_length, make_drafter, random_bigram, random_drafter
 from vllm_dspark.config import DSparkConfig
 from vllm_dspark.model.reference import DSparkDraftModel, count_parameters, expected_tensor_shapes
 from vllm_dspark.model.rope import apply_rope, rope_inv_freq_and_scale
-from vllm_dspark.tools.tiny_pair import bigram_chain, expected_length, make_drafter, random_bigram, random_drafter
 
 CTX = 6  # context tokens per request in these tests
 

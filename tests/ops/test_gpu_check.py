@@ -133,7 +133,7 @@ def test_what_the_check_needs_fits_the_carry_limit(report, gpu_check):
 # throwaway clone of it (git clone --shared: the real index and .git/info/exclude are never touched).
 TREE_SCRIPT = ROOT / "scripts" / "device_tree.py"
 WEIGHTS = ["tests/fixtures/toy_pair/drafter/model.safetensors", "tests/fixtures/toy_pair/target/model.safetensors",
-           "vllm_dspark/assets/smollm2/dflash/model.safetensors", "vllm_dspark/assets/smollm2/dspark/model.safetensors"]
+           "training/assets/smollm2/dflash/model.safetensors", "vllm_dspark/assets/smollm2/dspark/model.safetensors"]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from tests.helpers import free_port, serve_command, serving, tiny_pair
-from vllm_dspark.tools.tiny_pair import bigram_chain
+from tests.tiny_pair import bigram_chain
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(900)]
 VOCAB = 384

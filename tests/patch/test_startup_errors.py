@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import tiny_pair
-from vllm_dspark.tools.tiny_pair import make_drafter
+from tests.tiny_pair import make_drafter
 
 pytestmark = pytest.mark.engine  # each case builds an LLM (refused at start-up, or started)
 

@@ -85,7 +85,7 @@ def _engine_config(monkeypatch, available, **engine_kw):
 
 @pytest.fixture(scope="module")
 def tiny_target(tmp_path_factory):
-    from vllm_dspark.tools.tiny_pair import make_target
+    from tests.tiny_pair import make_target
 
     return make_target(tmp_path_factory.mktemp("mem_target") / "target", vocab_size=320, num_layers=2)
 

@@ -60,7 +60,7 @@ def never_pays(qwen_pair, prompts):
 def wrong_head(qwen_pair, prompts, tmp_path_factory):
     from safetensors.torch import load_file, save_file
 
-    from vllm_dspark.tools.tiny_pair import make_drafter
+    from tests.tiny_pair import make_drafter
 
     root = tmp_path_factory.mktemp("wrong_head")
     bigram = (qwen_pair["bigram"] + 1) % VOCAB  # every draft token wrong

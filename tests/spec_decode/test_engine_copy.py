@@ -42,7 +42,7 @@ def copy_run(qwen_pair, prompts, tmp_path_factory):
     from safetensors.torch import load_file, save_file
     from vllm import SamplingParams
 
-    from vllm_dspark.tools.tiny_pair import make_drafter
+    from tests.tiny_pair import make_drafter
 
     root = tmp_path_factory.mktemp("copy")
     draft = make_drafter(root / "draft", qwen_pair["config"], mode="oracle", bigram=(qwen_pair["bigram"] + 1) % VOCAB,

@@ -12,8 +12,8 @@ import pytest
 
 from benchmarks.harness.engine import acceptance_summary, dspark_report, llm_engine, spec_metrics
 from tests.helpers import MAX_TOKENS, VOCAB
+from tests.tiny_pair import TOKEN_IDS
 from vllm_dspark.checkpoint.token_frequency import draft_vocab_ids, table_from_counts, write_frequency_table
-from vllm_dspark.tools.tiny_pair import TOKEN_IDS
 
 pytestmark = pytest.mark.engine
 

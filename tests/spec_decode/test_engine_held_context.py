@@ -31,7 +31,7 @@ PAYS = {"verify": [[1, 0.01], [512, 0.0101]], "draft": [[1, 0.0001], [64, 0.0001
 
 @pytest.fixture(scope="module")
 def context_drafter(qwen_pair, tmp_path_factory):
-    from vllm_dspark.tools.tiny_pair import make_drafter
+    from tests.tiny_pair import make_drafter
 
     cfg = qwen_pair["config"].replace(markov_rank=0, confidence_head_with_markov=False)
     return str(make_drafter(tmp_path_factory.mktemp("ctx_draft") / "draft", cfg, mode="random", scale=0.3,

@@ -21,7 +21,7 @@ from benchmarks.harness.engine import (
 )
 from tests.helpers import MAX_TOKENS, make_prompts, tiny_pair
 from tests.reference_check import ReferenceDrafter, check_trace_against_reference
-from vllm_dspark.tools.tiny_pair import expected_length
+from tests.tiny_pair import expected_length
 
 pytestmark = pytest.mark.engine
 VOCAB = 301

@@ -16,9 +16,9 @@ import torch
 from safetensors import safe_open
 
 from tests.helpers import tiny_pair
+from tests.tiny_pair import TOKEN_IDS, to_deepspec_layout, to_speculators_layout
 from vllm_dspark.checkpoint.io import validate_checkpoint
 from vllm_dspark.config import DSparkConfig
-from vllm_dspark.tools.tiny_pair import TOKEN_IDS, to_deepspec_layout, to_speculators_layout
 
 VOCAB = 384
 

@@ -14,12 +14,12 @@ import torch
 
 from tests.helpers import tiny_config
 from tests.ops.markov_cases import make_case, with_draft_vocab
+from tests.tiny_pair import random_drafter
 from vllm_dspark.checkpoint.shapes import required_shapes
 from vllm_dspark.model.markov_weights import MarkovWeights
 from vllm_dspark.model.reference import expected_tensor_shapes
 from vllm_dspark.ops.markov_reference import gumbel_noise
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, GatedHead, MarkovStage, RnnHead, VanillaHead
-from vllm_dspark.tools.tiny_pair import random_drafter
 
 V, VT, H, RANK, N = 111, 300, 16, 8, 5  # VT: the target vocabulary of the draft-vocabulary cases
 HEADS = ["gated", "rnn"]

@@ -67,7 +67,7 @@ Test doubles (attributes, not imports)
 
 The draft models (the project's)
     A tiny Qwen3 target and a SpecForge-layout DSpark drafter from
-    ``vllm_dspark.tools.tiny_pair`` (the confidence head's hidden weights scaled
+    ``tests.tiny_pair`` (the confidence head's hidden weights scaled
     down so confidences stay off the sigmoid's flat ends, and without
     ``dflash_config.sample_from_anchor``: see below). (b) is the project's
     ``DSparkV2DraftModel`` built by ``model_v2._build_class()``, the class the

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from tests.helpers import VOCAB, family_draft, tiny_pair
-from vllm_dspark.tools.tiny_pair import TOKEN_IDS, bigram_chain, make_drafter, to_speculators_layout
+from tests.tiny_pair import TOKEN_IDS, bigram_chain, make_drafter, to_speculators_layout
 
 LAYOUTS = ("anchor_first", "one_plus_n")
 VOCABS = ("full", "checkpoint_d2t", "serve_draft_vocab")

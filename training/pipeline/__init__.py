@@ -15,3 +15,9 @@ through the same capture and trainer. The pieces:
 - :mod:`.corpus`, :mod:`.tokenizer`, :mod:`.target`, :mod:`.capture` the toy pair's corpus,
   tokenizer, target and greedy continuations; :mod:`.evaluate` offline acceptance.
 """
+
+from pathlib import Path
+
+# The DFlash-style ablation of the default drafter (same backbone, data and steps, no Markov head):
+# a research artifact kept in the checkout, not in the wheel. The benchmarks compare against it.
+ABLATION_DIR = Path(__file__).resolve().parents[1] / "assets" / "smollm2" / "dflash"

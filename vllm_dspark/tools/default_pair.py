@@ -8,7 +8,8 @@
 * Drafter: the DSpark drafter trained here on the target's own answers
   (``training/train_default.py``), shipped in the package
   (``vllm_dspark/assets/smollm2/dspark``). The DFlash-style ablation trained
-  with the same data and budget sits beside it (``.../dflash``).
+  with the same data and budget is a research artifact, kept in the checkout
+  (``training/assets/smollm2/dflash``), not in the package.
 
 Cache directory: ``$VLLM_DSPARK_CACHE``, else ``$XDG_CACHE_HOME/vllm_dspark``,
 else ``~/.cache/vllm_dspark``. ``vllm-dspark default [--json]`` prints the
@@ -46,9 +47,10 @@ def target_dir(dtype: str = "bfloat16") -> Path:
 
 
 def draft_dir(kind: str = "dspark") -> Path:
-    """``dspark`` (the default drafter) or ``dflash`` (the ablation without a Markov head)."""
-    if kind not in ("dspark", "dflash"):
-        raise ValueError(f"draft kind {kind!r}: expected 'dspark' or 'dflash'")
+    """The default drafter (``dspark``, the one kind the package ships)."""
+    if kind != "dspark":
+        raise ValueError(f"draft kind {kind!r}: the package ships 'dspark' only (the DFlash-style ablation "
+                         "is training.pipeline.ABLATION_DIR in a checkout)")
     return assets_dir() / kind
 
 

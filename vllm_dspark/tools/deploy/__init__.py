@@ -2,5 +2,6 @@
 
 ``plan``     per-GPU memory for drafter weights, drafter KV, target MLA cache, KDA state
 ``batch``    resumable JSONL batch generation (used by ``scripts/batch_generate.py``)
-``ray_cpu``  TEST-ONLY Ray executor for vLLM's CPU platform (never for serving)
+
+The test-only Ray executor for vLLM's CPU platform is ``tests/deploy/ray_cpu.py`` (never for serving).
 """
