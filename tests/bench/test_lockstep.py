@@ -72,6 +72,7 @@ def test_speedups_are_against_both_controls_and_the_control_against_no_spec():
     assert s["no-spec"] == pytest.approx([1 / math.sqrt(1.04)] * 2)
 
 
+@pytest.mark.engine  # eight engines, built twice in this process
 def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     pair = toy_pair(2)
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
