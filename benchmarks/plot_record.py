@@ -21,7 +21,7 @@ Needs matplotlib (``pip install -e '.[bench]'``).
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
@@ -32,13 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _script(name: str):
-    """One of the benchmark scripts beside this one, imported as a module (its ``main`` not run)."""
-    spec = importlib.util.spec_from_file_location(f"_record_{name}", Path(__file__).parent / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    """One of the benchmark scripts beside this one, as a module (its ``main`` not run)."""
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def kind_of(results: dict) -> str | None:
@@ -61,12 +56,12 @@ def plot_record(record: Path) -> list[str]:
     results = json.loads(path.read_text())
     kind = kind_of(results)
     if kind == "e2e":
-        rows = [dict(r, speedup=r.get("speedup_median", r.get("speedup"))) for r in results["rows"]]
-        return _script("bench_e2e").plots(rows, record)
+        e2e = _script("bench_e2e")
+        return e2e.plots(e2e.report_rows(results["rows"]), record)
     if kind == "step-cost":
         from benchmarks.harness.step_cost_report import int_keys, plots
 
-        return plots(json.loads(json.dumps(results), object_hook=int_keys), record)
+        return plots(json.loads(path.read_text(), object_hook=int_keys), record)
     if kind == "load-test":
         _script("load_test").plot(results["summaries"], record / "latency.png")
         return ["latency.png"]

@@ -4,7 +4,6 @@ kept; the whole of ``docs/benchmarks`` stays under 600 KB."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from benchmarks.plot_record import plot_record
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = ROOT / "docs" / "benchmarks"
@@ -31,13 +32,6 @@ def _kept_files() -> list[Path]:
     if tracked:
         return [p for p in tracked if p.exists()]
     return [p for p in RECORDS.rglob("*") if p.is_file() and p.suffix not in NOT_KEPT]
-
-
-def _plot_record():
-    spec = importlib.util.spec_from_file_location("plot_record", ROOT / "benchmarks" / "plot_record.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_docs_benchmarks_is_light():
@@ -67,7 +61,7 @@ def test_each_record_is_a_report_and_a_small_results_file(record):
 def test_plots_are_drawn_again_from_the_results(record, plots, tmp_path):
     out = tmp_path / record
     shutil.copytree(RECORDS / record, out, ignore=shutil.ignore_patterns("*.png", "*.log"))
-    made = _plot_record().plot_record(out)
+    made = plot_record(out)
     assert set(made) == plots
     assert all((out / p).stat().st_size > 10_000 for p in plots)
 
