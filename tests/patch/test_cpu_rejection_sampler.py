@@ -26,6 +26,12 @@ def rs():
     from vllm.platforms import current_platform
     from vllm.triton_utils import dispatcher
 
+    from vllm_dspark.patch import triton_utils_dispatcher as scan
+
+    # The override scan as a worker with the plugin runs it: with llvmlite loaded by another test
+    # module (numba), upstream's scan fails on llvmlite's handle (kernel-scan-fake-dict).
+    scan_was_applied = scan.PATCH.applied
+    scan.PATCH.apply()
     if current_platform.is_cpu() and EXPAND_KERNEL not in dispatcher._registry:
         current_platform.register_triton_kernel_overrides()  # as every vLLM worker does at start-up
     import vllm.v1.sample.rejection_sampler as module
@@ -35,6 +41,8 @@ def rs():
     yield module
     if not was_applied:
         patch_module.PATCH.restore()
+    if not scan_was_applied:
+        scan.PATCH.restore()
 
 
 def test_expand_keeps_dtype_values_and_replacement(rs):
