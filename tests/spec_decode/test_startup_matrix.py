@@ -5,7 +5,7 @@ A cell is a real ``VllmConfig`` (the plugin's config patch translates the checkp
 reads ``speculative_config['dspark']``), V1's real draft model class built and loaded by its own
 ``load_weights``, and a stand-in proposer holding what the start-up profile and a step's sources
 read (block, drafts per block, the hidden-row buffer, no-op dummy runs): the profile's draft timing
-then runs exactly as at start-up, and the step runs ``DSparkProposer._run_sources`` on the rows the
+then runs exactly as at start-up, and the step runs ``DSparkProposer._draft_model`` on the rows the
 layout samples. The drafter is an exact oracle of the tiny target's bigram table
 (``tests.helpers.family_draft``), so one step's drafts from zero backbone rows are the target's
 greedy continuation, in target ids, through every vocabulary map and head.
@@ -118,7 +118,7 @@ def _build(pair: dict, root: Path, layout: str, vocab: str, head: str):
 
 
 def _stand_in(vc, model):
-    """What the start-up profile and ``_run_sources`` read off the proposer, and nothing else."""
+    """What the start-up profile and ``_draft_model`` read off the proposer, and nothing else."""
     from vllm_dspark.serving.settings import settings_of
     from vllm_dspark.spec_decode.v1.proposer import DSparkProposer
 
@@ -165,7 +165,7 @@ def test_the_cell_profiles_and_drafts_the_targets_continuation(pair, vllm_groups
     d = Decision(t1=0.0, batch=len(anchors), req_ids=["a", "b", "c"], cap=n, caps=[n] * 3,
                  sampled=np.zeros(3, dtype=bool), plan=Plan(PlanMode.DRAFT))
     meta = types.SimpleNamespace(temperature=None, top_k=None, top_p=None)
-    drafts = DSparkProposer._run_sources(p, d, rows, anchors, meta, None)
+    drafts = DSparkProposer._draft_model(p, d, rows, anchors, meta, None)
     assert drafts.path == "compiled", drafts.path  # the op, not the reference fallback
     want = [bigram_chain(pair["bigram"], int(a), n) for a in anchors]
     assert drafts.tokens.tolist() == want

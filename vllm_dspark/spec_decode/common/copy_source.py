@@ -185,6 +185,7 @@ class CopySource:
     """
 
     name = COPY_SOURCE
+    reads_hidden = False
 
     def __init__(self, *, min_match: int = 2, max_match: int = 8, shared: int | None = None):
         self.min_match, self.max_match = min_match, max_match
@@ -236,6 +237,8 @@ class CopySource:
         from_shared = np.zeros(len(rows), dtype=bool)
         if batch.texts is None:
             raise ValueError("CopySource.draft: the batch carries no texts (DraftBatch.texts) to copy from")
+        if batch.req_ids is not None:
+            self.retain(batch.req_ids)
         for i, row in enumerate(rows):
             req_id, head, tail, *rest = batch.texts[row]
             if rest:  # the prompt's length: what the shared text must not take (outputs only)

@@ -80,13 +80,22 @@ class DraftBatch:
     # draft from it (the copy source). ``head`` is the runner's token array (read without a copy), ``tail``
     # what this step added.
     texts: Mapping[int, tuple] | None = None
+    # Every request in the step's batch, by row (not only ``rows``): what a source that keeps state per
+    # request (the copy source's indexes) retains.
+    req_ids: Sequence[str] | None = None
 
 
 @runtime_checkable
 class DraftSource(Protocol):
-    """Anything that drafts: the Markov stage (``MarkovStage``) and the copy source (``CopySource``)."""
+    """Anything that drafts: the Markov stage (``MarkovStage``) and the copy source (``CopySource``).
+
+    ``reads_hidden``: it drafts from the block forward's hidden rows (``DraftBatch.hidden``), so it
+    runs after the step's plan and only when the plan runs the drafter; otherwise it drafts from the
+    requests' texts (``DraftBatch.texts``) before the plan, which weighs its drafts.
+    """
 
     name: str
+    reads_hidden: bool
 
     def draft(self, batch: DraftBatch) -> Drafts:
         ...
@@ -146,6 +155,7 @@ class MarkovStage:
     """
 
     name = MODEL_SOURCE
+    reads_hidden = True
 
     def __init__(self, weights: MarkovWeights, compute_logits: Callable[[torch.Tensor], torch.Tensor]):
         self.weights = weights

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -43,20 +42,22 @@ from vllm.v1.spec_decode.dflash import DFlashProposer
 
 from vllm_dspark.serving.metrics import Publisher
 from vllm_dspark.serving.settings import DSparkSettings, for_async_scheduling, settings_of
-from vllm_dspark.spec_decode.common.budget import Plan, PlanMode
+from vllm_dspark.spec_decode.common.budget import PlanMode
 from vllm_dspark.spec_decode.common.consensus import Consensus, divergence_for_rank
 from vllm_dspark.spec_decode.common.copy_source import CopySource
 from vllm_dspark.spec_decode.common.costs import CostModel
-from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, MarkovStage
-from vllm_dspark.spec_decode.common.planner import CopyDrafts, StepPlanner
-from vllm_dspark.spec_decode.common.sources import COPY_SOURCE
+from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, DraftSource, MarkovStage
+from vllm_dspark.spec_decode.common.planner import StepPlanner
+from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.v1 import step_inputs as SI
 from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
-from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer, copy_offer, copy_texts, merge_copies
+from vllm_dspark.spec_decode.v1.held import HeldContext
 from vllm_dspark.spec_decode.v1.layout import lay_out_queries
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
 from vllm_dspark.spec_decode.v1.probe_block import probe_queries
+from vllm_dspark.spec_decode.v1.report import ProposerReport
+from vllm_dspark.spec_decode.v1.sources import pick_rows, request_texts, text_offers, widen
 from vllm_dspark.spec_decode.v1.step_state import Decision, StepState
 
 logger = logging.getLogger("vllm_dspark")
@@ -68,7 +69,7 @@ PARTS = ("block.metadata", "block.context_kv", "stage.lm_head", "stage.confidenc
          "stage.sampled")
 
 
-class DSparkProposer(DFlashProposer):
+class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
     def __init__(self, vllm_config, device, runner=None):
         check_couplings()
         super().__init__(vllm_config, device, runner)
@@ -94,7 +95,9 @@ class DSparkProposer(DFlashProposer):
         if s.copies:
             self.copy_source = CopySource(min_match=s.copy_min_match, max_match=max(8, s.copy_min_match),
                                           shared=s.copy_shared)
-        elif s.copy == "auto":
+        # Sources that draft from the requests' texts, before the plan (the model source drafts after it).
+        self.text_sources: list[DraftSource] = [self.copy_source] if self.copy_source is not None else []
+        if s.copy == "auto" and not s.copies:
             logger.info("vllm_dspark: copy: auto drafts with verification 'budget' only (which weighs the copy "
                         "against the drafter); with %r the drafter drafts alone", s.verification)
         self.costs: CostModel | None = None
@@ -172,10 +175,11 @@ class DSparkProposer(DFlashProposer):
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
             t = self._lap("context_kv_only", t)
-            if d.copy is None or not any(d.plan.copy_kept):
+            if COPY_SOURCE not in d.offers or not any(d.plan.copy_kept):
                 return self._no_drafts(d)
-            kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, None, _copy_view(d.copy))
-            return self._record(d, d.copy.drafts, kept, next_token_ids, t, t_layout, picks)
+            kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, None, d.offers[COPY_SOURCE].view())
+            drafts = pick_rows({k: o.drafts for k, o in d.offers.items()}, picks, d.sampled)
+            return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
 
         probed = d.plan.mode is PlanMode.PROBE and len(d.plan.rows) < d.batch and mm_embed_inputs is None
         if probed:  # the probed requests' query blocks alone (their context K/V is stored for all)
@@ -185,11 +189,12 @@ class DSparkProposer(DFlashProposer):
             self.state.probe_blocks_cut += 1
         rows = self._block_forward(num_query, sample_rows, block_cad, mm_embed_inputs)
         t = self._lap("block_forward", t)
-        drafts = self._run_sources(d, rows, next_token_ids, sampling_metadata, cad, probed)
+        model = self._draft_model(d, rows, next_token_ids, sampling_metadata, cad, probed)
         t = self._lap("markov_stage", t)
-        kept, picks = self._allocate(d, drafts)
-        if d.copy is not None and COPY_SOURCE in picks:
-            drafts = merge_copies(drafts, d.copy.drafts, picks, d.sampled)
+        offer = d.offers.get(COPY_SOURCE)
+        conf = model.confidence.cpu().numpy().astype(np.float64)
+        kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, conf, offer.view() if offer else None)
+        drafts = pick_rows({MODEL_SOURCE: model, **{k: o.drafts for k, o in d.offers.items()}}, picks, d.sampled)
         return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
 
     def _lay_out(self, batch: int, token_ids, positions, hidden_states, next_token_ids, token_indices, cad,
@@ -223,7 +228,7 @@ class DSparkProposer(DFlashProposer):
         last_hidden = out[0] if isinstance(out, tuple) else out
         return last_hidden[sample_rows]
 
-    def _run_sources(self, d: Decision, rows: torch.Tensor, next_token_ids, sampling_metadata, cad,
+    def _draft_model(self, d: Decision, rows: torch.Tensor, next_token_ids, sampling_metadata, cad,
                      probed: bool = False) -> Drafts:
         """The Markov stage's drafts as [batch, N]. A probe drafts only its requests' first few
         positions: the LM head and the sequential stage run on those rows alone (``probed``: the
@@ -243,12 +248,7 @@ class DSparkProposer(DFlashProposer):
         drafts = self.markov_stage.draft(batch)
         if plan.mode is not PlanMode.PROBE:
             return drafts
-        return _widen(drafts, d.batch, idx, n)
-
-    def _allocate(self, d: Decision, drafts: Drafts) -> tuple[list[int], list[str]]:
-        """Drafts to verify per request and the source of each (:meth:`StepPlanner.allocate`)."""
-        conf = drafts.confidence.cpu().numpy().astype(np.float64)
-        return self.planner.allocate(d.plan, d.caps, d.sampled, conf, _copy_view(d.copy))
+        return widen(drafts, d.batch, idx, n)
 
     def _record(self, d: Decision, drafts: Drafts, kept: list[int], next_token_ids, t: float,
                 t_layout: float, picks: list[str]) -> list[list[int]]:
@@ -296,52 +296,19 @@ class DSparkProposer(DFlashProposer):
         caps = [0 if g else cap for g in gated]
         sampled = SI.sampled_requests(self.settings.draft_sampling, self._enable_probabilistic_draft_probs,
                                       sampling_metadata, batch).numpy()
-        offer = None
-        if self.copy_source is not None and next_token_ids is not None and max(caps, default=0) > 0:
+        offers = {}
+        if self.text_sources and next_token_ids is not None and max(caps, default=0) > 0:
             t_copy = time.perf_counter()
-            texts = copy_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
-            offer = copy_offer(self.copy_source, req_ids, caps, texts, next_token_ids, self.n_draft)
+            texts = request_texts(self.runner, req_ids, cad, num_rejected, next_token_ids)
+            offers = text_offers(self.text_sources, req_ids, caps, texts, next_token_ids, self.n_draft)
             self._lap("copy_source", t_copy)
-        plan = self.planner.plan(caps, sampled, _copy_view(offer))
+        copy = offers.get(COPY_SOURCE)
+        plan = self.planner.plan(caps, sampled, copy.view() if copy else None)
         t1 = time.perf_counter()
         self.timings["feedback"] += t1 - t0
-        return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offer)
+        return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offers)
 
-    def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
-                            states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
-        """A decode-only step with no drafts in it, decided before the runner's draft glue (patch
-        ``v1-runner-no-draft-glue``). Returns the step's empty proposals when it only holds its
-        context; None when the runner must take its full path to :meth:`propose`, which then uses
-        the plan made here (a plan is made once a step: under TP it is a broadcast).
 
-        The glue it skips prepares the next tokens, the rejected counts and the drafter's query
-        metadata: 0.3-0.4 ms of a 30 ms step at batch 1, none of it read by a step that holds.
-        ``states`` and ``positions`` give the target's aux hidden states and positions of the
-        step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`.
-        """
-        st = self.state
-        if self.planner.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
-            return None  # feedback needs the rejected counts, or the first hold checks the layout
-        if self.copy_source is not None:
-            return None  # the copy weighs this step's new token, which the glue prepares
-        d = self._decide(num_speculative_tokens, cad, None, sampling_metadata)
-        if d.plan.mode is not PlanMode.SKIP:
-            st.decided = d
-            return None
-        t1 = self._flush_if_due(d.plan, True, d.req_ids, d.t1)
-        self.pending.hold(d.req_ids, states(), positions()[:num_tokens], cad.slot_mapping[:num_tokens])
-        st.before_glue_steps += 1
-        self._lap("held", t1)
-        return self._no_drafts(d)
-
-    def _flush_if_due(self, plan: Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
-        """Store the held context when this step cannot join it (:mod:`.context_kv`): it drafts, it is
-        not decode-only, or its batch changed or the buffer is full. Returns the time after it."""
-        if not self.pending.steps or (plan.mode is PlanMode.SKIP and decode_only
-                                      and self.pending.accepts(req_ids)):
-            return t1
-        self.pending.flush(self._store_context, req_ids)
-        return self._lap("context_flush", t1)
 
     def _no_drafts(self, d: Decision) -> list[list[int]]:
         """End a step that drafted nothing: counters, no feedback pending, empty proposals."""
@@ -351,31 +318,7 @@ class DSparkProposer(DFlashProposer):
         return [[] for _ in range(d.batch)]
 
     # ------------------------------------------------------------------ held context
-    def _store_context(self, states, positions, slots) -> None:
-        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
 
-    def _hold(self, req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
-              token_indices, num_rejected) -> None:
-        """Hold a decode-only step's context (see :mod:`.context_kv`): its positions are the target's and
-        its slots the drafter group's slot mapping, which the first held step checks against the
-        layout the eager store uses."""
-        n = int(target_hidden_states.shape[0])
-        positions, slots = target_positions[:n], cad.slot_mapping[:n]
-        if not self.state.hold_checked:
-            self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
-                                       self.model.combine_hidden_states(target_hidden_states), token_indices,
-                                       cad, num_rejected)
-            want_pos = self._context_positions_buffer[:n]
-            want_slots = self._context_slot_mapping_buffer[:n]
-            if not (torch.equal(want_pos.to(positions.dtype), positions)
-                    and torch.equal(want_slots.to(slots.dtype), slots)):
-                self.state.hold_ok = False
-                logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context "
-                               "layout; steps without drafts store their context at once (about 1 ms a step)")
-                self._store_context(target_hidden_states, want_pos, want_slots)
-                return
-            self.state.hold_checked = True
-        self.pending.hold(req_ids, target_hidden_states, positions, slots)
 
     # ------------------------------------------------------------------ pieces
     def _divergence(self) -> dict:
@@ -413,23 +356,6 @@ class DSparkProposer(DFlashProposer):
         if trace and records:
             SI.write_trace(trace, records)
 
-    def _check_stale(self) -> None:
-        """A profile the online corrections keep disowning: drop its cache entry, fold the corrections in."""
-        costs = self.costs
-        if costs is None or not costs.stale or not self.consensus.is_decider:
-            return
-        from vllm_dspark.spec_decode.common.profile import drop_cached
-
-        dropped = drop_cached(costs.cache_path)
-        logger.warning(
-            "vllm_dspark: the budget's cost profile (%s) no longer matches this machine: measured steps took "
-            "%.2fx (verify) and %.2fx (draft) its times for %d steps in a row. %s; the measured corrections are "
-            "folded into the cost model.", costs.source, costs.scale_verify, costs.scale_draft,
-            max(costs.far_verify, costs.far_draft),
-            f"Dropped the cached profile {costs.cache_path}, so the next start profiles again" if dropped
-            else "Nothing cached to drop")
-        costs.cache_path = None
-        costs.rebase()
 
     @property
     def markov_stage(self) -> MarkovStage:
@@ -444,56 +370,3 @@ class DSparkProposer(DFlashProposer):
                                       logits() if logits is not None else self.model.compute_logits)
             self._stage.lap = self._lap
         return self._stage
-
-    # ------------------------------------------------------------------ observability
-    def _maybe_log(self) -> None:
-        if self.consensus.rank == 0:  # every rank counts the same acceptances; one publishes them
-            self.metrics.maybe_publish(lambda: self.stats.as_dict()["by_source"])
-        interval = self.settings.stats_interval_s
-        if interval <= 0:
-            return
-        now = time.monotonic()
-        if now - self._last_log >= interval:
-            self._last_log = now
-            logger.info(self.stats.line(self.settings.verification))
-
-    def report(self) -> dict:
-        """Counters, calibration and the cost model (for tests, benchmarks and ``collective_rpc``)."""
-        c = self.costs
-        stats = self.stats.as_dict()
-        if self.consensus.rank == 0:
-            self.metrics.maybe_publish(lambda: stats["by_source"], force=True)
-        return {"stats": stats, "calibration": self.calibrator.table(),
-                "timings_s": dict(self.timings),
-                "costs": None if c is None else {**c.to_dict(), "scale_verify": c.scale_verify,
-                                                 "scale_draft": c.scale_draft, "rebased": c.rebased,
-                                                 "cache_path": c.cache_path},
-                "held_context": {**self.pending.counts, "enabled": self.state.hold_ok,
-                                 "before_glue_steps": self.state.before_glue_steps},
-                "layout": {"rejected_rows_dropped": self.state.rejected_rows_dropped,
-                           "probe_blocks_cut": self.state.probe_blocks_cut},
-                "step_clock": {"marks": self.state.step_marks,
-                               "from": "execute_model" if self.state.step_marks else "previous propose"},
-                "policy": self.policy.report(), "consensus": self.consensus.report(),
-                "copy": None if self.copy_policy is None or self.copy_source is None
-                else {**self.copy_policy.report(), "source": self.copy_source.report()},
-                "profile": self.profile_info, "settings": self.settings.to_dict()}
-
-
-def _widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
-    """A probe's drafts for ``rows`` ([len(rows), k]) placed in a [batch, n] record, zero elsewhere."""
-    k = drafts.tokens.shape[1]
-    dev = drafts.tokens.device
-    tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
-    conf = torch.zeros(batch, n, dtype=torch.float32, device=dev)
-    tokens[rows, :k], conf[rows, :k] = drafts.tokens, drafts.confidence
-    probs = None
-    if drafts.probs is not None:
-        probs = torch.zeros(batch, n, drafts.probs.shape[-1], dtype=torch.float32, device=drafts.probs.device)
-        probs[rows, :k] = drafts.probs
-    return Drafts(tokens, conf, probs, drafts.source, drafts.path)
-
-
-def _copy_view(offer: CopyOffer | None) -> CopyDrafts | None:
-    """What the planner reads of the copy's offer (NumPy, as the policies take it)."""
-    return None if offer is None else CopyDrafts(offer.drafts.confidence.numpy(), offer.lengths)

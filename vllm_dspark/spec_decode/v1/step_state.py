@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from vllm_dspark.spec_decode.common.budget import Plan
-from vllm_dspark.spec_decode.v1.copy_glue import CopyOffer
+from vllm_dspark.spec_decode.v1.sources import Offer
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class Decision:
     caps: list[int]  # per request: the cap, or 0 past max_draft_context
     sampled: np.ndarray  # [batch] bool
     plan: Plan
-    copy: CopyOffer | None = None  # the copy source's drafts for every request (copy: auto)
+    offers: dict[str, Offer] = field(default_factory=dict)  # the text sources' drafts, by source (copy: auto)
 
 
 @dataclass

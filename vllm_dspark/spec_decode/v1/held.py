@@ -1,0 +1,104 @@
+"""The V1 proposer's held context: steps without drafts keep their K/V rows until the drafter next runs.
+
+A decode-only step in which no request runs the drafter still owes the drafter its context K/V
+(later drafts attend to every earlier position). Storing it costs about 1 ms a step; holding the
+step's target states in :class:`~.context_kv.PendingContext` and storing every held step in one
+call when the drafter next runs costs a fraction of that. A mixin of ``DSparkProposer``: it reads
+the proposer's model, state, planner and laps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm_dspark.spec_decode.common.budget import Plan, PlanMode
+
+if TYPE_CHECKING:
+    from vllm_dspark.spec_decode.common.planner import StepPlanner
+    from vllm_dspark.spec_decode.v1.context_kv import PendingContext
+    from vllm_dspark.spec_decode.v1.step_state import StepState
+
+logger = logging.getLogger("vllm_dspark")
+
+
+class HeldContext:
+    """``propose_before_glue`` and the hold / flush of the context (see the module docstring)."""
+
+    # What it reads of the proposer it is mixed into.
+    state: StepState
+    planner: StepPlanner
+    pending: PendingContext
+    text_sources: list
+    model: Any
+    _context_positions_buffer: torch.Tensor
+    _context_slot_mapping_buffer: torch.Tensor
+    _decide: Callable[..., Any]
+    _lap: Callable[[str, float], float]
+    _no_drafts: Callable[..., list]
+    set_inputs_first_pass: Callable[..., Any]
+
+    def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
+                            states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
+        """A decode-only step with no drafts in it, decided before the runner's draft glue (patch
+        ``v1-runner-no-draft-glue``). Returns the step's empty proposals when it only holds its
+        context; None when the runner must take its full path to :meth:`propose`, which then uses
+        the plan made here (a plan is made once a step: under TP it is a broadcast).
+
+        The glue it skips prepares the next tokens, the rejected counts and the drafter's query
+        metadata: 0.3-0.4 ms of a 30 ms step at batch 1, none of it read by a step that holds.
+        ``states`` and ``positions`` give the target's aux hidden states and positions of the
+        step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`.
+        """
+        st = self.state
+        if self.planner.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
+            return None  # feedback needs the rejected counts, or the first hold checks the layout
+        if self.text_sources:
+            return None  # a text source weighs this step's new token, which the glue prepares
+        d = self._decide(num_speculative_tokens, cad, None, sampling_metadata)
+        if d.plan.mode is not PlanMode.SKIP:
+            st.decided = d
+            return None
+        t1 = self._flush_if_due(d.plan, True, d.req_ids, d.t1)
+        self.pending.hold(d.req_ids, states(), positions()[:num_tokens], cad.slot_mapping[:num_tokens])
+        st.before_glue_steps += 1
+        self._lap("held", t1)
+        return self._no_drafts(d)
+
+    def _flush_if_due(self, plan: Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
+        """Store the held context when this step cannot join it (:mod:`.context_kv`): it drafts, it is
+        not decode-only, or its batch changed or the buffer is full. Returns the time after it."""
+        if not self.pending.steps or (plan.mode is PlanMode.SKIP and decode_only
+                                      and self.pending.accepts(req_ids)):
+            return t1
+        self.pending.flush(self._store_context, req_ids)
+        return self._lap("context_flush", t1)
+
+    def _store_context(self, states, positions, slots) -> None:
+        self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
+
+    def _hold(self, req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
+              token_indices, num_rejected) -> None:
+        """Hold a decode-only step's context (see :mod:`.context_kv`): its positions are the target's and
+        its slots the drafter group's slot mapping, which the first held step checks against the
+        layout the eager store uses."""
+        n = int(target_hidden_states.shape[0])
+        positions, slots = target_positions[:n], cad.slot_mapping[:n]
+        if not self.state.hold_checked:
+            self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
+                                       self.model.combine_hidden_states(target_hidden_states), token_indices,
+                                       cad, num_rejected)
+            want_pos = self._context_positions_buffer[:n]
+            want_slots = self._context_slot_mapping_buffer[:n]
+            if not (torch.equal(want_pos.to(positions.dtype), positions)
+                    and torch.equal(want_slots.to(slots.dtype), slots)):
+                self.state.hold_ok = False
+                logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context "
+                               "layout; steps without drafts store their context at once (about 1 ms a step)")
+                self._store_context(target_hidden_states, want_pos, want_slots)
+                return
+            self.state.hold_checked = True
+        self.pending.hold(req_ids, target_hidden_states, positions, slots)
