@@ -272,6 +272,9 @@ def main() -> int:
     ap.add_argument("--share-weights", action="store_true",
                     help="--lockstep: every engine reads the first-built engine's target weights (one copy in "
                          "memory: see benchmarks/harness/shared_weights.py)")
+    ap.add_argument("--queued", action="store_true",
+                    help="--lockstep: a cell at concurrency C queues all its requests (--waves x C) with at most C "
+                         "running, as max_num_seqs C on a server keeps its batch full; without it, waves of C")
     ap.add_argument("--kv-cache-gib", type=int, default=2,
                     help="--lockstep: KV cache per engine (every engine of the run lives in this process)")
     cpu_setup.add_flag(ap)
@@ -281,6 +284,8 @@ def main() -> int:
     ap.add_argument("--report-only", action="store_true", help="rewrite report.md and the plots from --out's "
                     "results.json")
     args = ap.parse_args()
+    if args.queued and not args.lockstep:
+        ap.error("--queued needs --lockstep (it sets the in-process schedulers' admission limit per cell)")
     if args.report_only:
         return rewrite_report(Path(args.out))
     cpu_setup.reexec_with(not args.no_cpu_setup)
@@ -344,7 +349,7 @@ def main() -> int:
                             max_tokens=args.max_tokens, repeats=args.repeats, builds=args.builds,
                             prompts_per_cell=per_cell,
                             log=lambda m: print(m, flush=True), ignore_eos=args.ignore_eos,
-                            share=args.share_weights, kv_cache_gib=args.kv_cache_gib)
+                            share=args.share_weights, kv_cache_gib=args.kv_cache_gib, queued=args.queued)
     elif args.repeats > 1:
         rows = run_interleaved(pair, configs, datasets, concurrencies=conc, temperatures=temps,
                                max_tokens=args.max_tokens, repeats=args.repeats, prompts_per_cell=per_cell,
@@ -357,7 +362,7 @@ def main() -> int:
     annotate(rows)
     meta = {"suite": args.suite, "pair": pair.name, "target": pair.target, "draft": pair.draft,
             "ablation": pair.ablation, "dtype": pair.dtype, "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "lockstep": args.lockstep, "builds": args.builds if args.lockstep else None,
+            "lockstep": args.lockstep, "builds": args.builds if args.lockstep else None, "queued": args.queued,
             "shared_weights": args.share_weights if args.lockstep else None, "ignore_eos": args.ignore_eos,
             "machine": cpu_setup.describe(),
             "prompts_per_cell": {c: per_cell(c) for c in conc}, "seconds": round(time.monotonic() - t0),

@@ -5,13 +5,14 @@
 
 Serves the default pair (``vllm-dspark default``: the target converted from its
 GGUF by setup, the DSpark drafter shipped in the package) with ``LLM.generate``
-on held-out chat prompts, greedy, batch 1, each answer running to the end of
-the assistant's turn (capped at ``--max-tokens``):
+on held-out chat prompts and on copy-heavy requests (code edits, paragraphs to correct),
+greedy, batch 1, each answer running to the end of the assistant's turn (capped at
+``--max-tokens``):
 
-1. **Speed, in bf16** (the dtype users run): a no-speculation engine and a
-   DSpark engine, both alive, measured ``--repeats`` times interleaved
-   (A B, B A, A B); the speed-up is the median of the per-repeat ratios, with
-   their spread.
+1. **Speed, in bf16** (the dtype users run): no speculation, vLLM's n-gram
+   proposer and DSpark with its defaults (the drafter and the copy source),
+   all alive, measured ``--repeats`` times interleaved; each speed-up is the
+   median of the per-repeat ratios, with their spread.
 2. **Identity, in float32**: the same prompts through both engines in float32,
    where a 1-token decode step and an 8-token verify step round alike, so the
    greedy outputs must be token-identical. (In bf16 at batch 1 they need not
@@ -70,16 +71,19 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from benchmarks.harness.e2e import EngineConfig, Pair, dspark_spec, run_interleaved
-    from training.pipeline.chat_prompts import chat_eval_prompts
+    from training.pipeline.chat_prompts import chat_eval_prompts, copy_eval_prompts
 
     tok = AutoTokenizer.from_pretrained(paths["target"])
-    questions = chat_eval_prompts(args.num_prompts)
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-               for q in questions]
-    configs = [EngineConfig("no-spec"), EngineConfig("dspark", dspark_spec(paths["draft"]))]
+    questions = {"chat": chat_eval_prompts(args.num_prompts), "copy-heavy": copy_eval_prompts(args.num_prompts)}
+    sets = {name: [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=False) for q in qs] for name, qs in questions.items()}
+    ngram = EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 4,
+                                   "prompt_lookup_min": 2})
+    configs = [EngineConfig("no-spec"), ngram, EngineConfig("dspark", dspark_spec(paths["draft"]))]
     machine = cpu_setup.describe()
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    print(f"== DSpark on SmolLM2-135M-Instruct: {len(prompts)} held-out chat prompts, greedy, batch 1 ==\n"
+    print(f"== DSpark on SmolLM2-135M-Instruct: {args.num_prompts} held-out chat and {args.num_prompts} copy-heavy "
+          f"prompts, greedy, batch 1 ==\n"
           f"   {when}, {machine['cores']} cores, {machine['cpu']}, flags: {' '.join(machine['flags'])}"
           + ("" if machine["native_bf16"] else "  (no native bf16: bf16 is emulated and slow here)"), flush=True)
 
@@ -87,43 +91,45 @@ def main() -> int:
         if args.verbose:
             print(msg, flush=True)
 
-    print(f"-- speed: bfloat16, {args.repeats} interleaved repeats (two engines start first; about a minute)",
+    print(f"-- speed: bfloat16, {args.repeats} interleaved repeats (three engines start first; a few minutes)",
           flush=True)
-    speed = {r["config"]: r for r in run_interleaved(
-        Pair("smollm2", paths["target"], paths["draft"], None, {"chat": prompts}, dtype="bfloat16"), configs,
-        {"chat": prompts}, max_tokens=args.max_tokens, repeats=args.repeats, log=quiet)}
+    rows = run_interleaved(Pair("smollm2", paths["target"], paths["draft"], None, sets, dtype="bfloat16"), configs,
+                           sets, max_tokens=args.max_tokens, repeats=args.repeats, log=quiet)
+    speed = {(r["dataset"], r["config"]): r for r in rows}
     same = None
     if not args.skip_identity:
         print("-- identity: float32, one pass each", flush=True)
-        ident = {r["config"]: r for r in run_interleaved(
-            Pair("smollm2", paths["target"], paths["draft"], None, {"chat": prompts}, dtype="float32"), configs,
-            {"chat": prompts}, max_tokens=args.max_tokens, repeats=1, log=quiet)}
-        same = [a == b for a, b in zip(ident["dspark"]["outputs"], ident["no-spec"]["outputs"], strict=True)]
+        ident = {(r["dataset"], r["config"]): r for r in run_interleaved(
+            Pair("smollm2", paths["target"], paths["draft"], None, sets, dtype="float32"), [configs[0], configs[2]],
+            sets, max_tokens=args.max_tokens, repeats=1, log=quiet)}
+        same = {name: [a == b for a, b in zip(ident[(name, "dspark")]["outputs"], ident[(name, "no-spec")]["outputs"],
+                                              strict=True)] for name in sets}
 
-    ds, base = speed["dspark"], speed["no-spec"]
     print("\n-- answers (DSpark, bf16) --")
-    for q, ids in list(zip(questions, ds["outputs"]))[: args.show]:
+    for q, ids in list(zip(questions["chat"], speed[("chat", "dspark")]["outputs"]))[: args.show]:
         print(f">>> {q}\n{tok.decode(ids, skip_special_tokens=True).strip()}\n")
-    lo, hi = ds["speedup_spread"]
-    per_pos = " ".join(f"{a:.2f}" for a in ds["per_position_acceptance"]) or "-"
-    st = ds["dspark"]["stats"]
-    mean_len = sum(len(o) for o in ds["outputs"]) / len(ds["outputs"])
-    print("-- results (measured in this run) --")
-    print(f"| {'':24} | {'no speculation':>14} | {'DSpark':>10} |")
-    print(f"|{'-' * 26}|{'-' * 16}|{'-' * 12}|")
-    print(f"| {'tokens/s (bf16, median)':24} | {base['tokens_per_s']:14.1f} | {ds['tokens_per_s']:10.1f} |")
-    print(f"| {'speed-up (median)':24} | {'1.00x':>14} | {ds['speedup_median']:9.2f}x |")
-    print(f"| {'speed-up spread':24} | {'':14} | {lo:.2f}-{hi:.2f}x |")
-    acc = ds["mean_acceptance_length"]
-    acc_cell = f"{acc:10.2f}" if acc == acc else f"{'-':>10}"  # NaN: no draft was verified
-    print(f"| {'mean acceptance length':24} | {'':14} | {acc_cell} |")
-    print(f"per-position acceptance: {per_pos}; mean answer {mean_len:.0f} tokens")
-    print(f"steps that drafted: {st['steps_drafted']} of {st['steps']} ({st['steps_probed']} probes); "
-          f"draft tokens verified {st['tokens_verified_observed']}, accepted {st['tokens_accepted']}")
+    print("-- results (measured in this run: bf16, batch 1, median of the repeats' speed-ups) --")
+    print(f"| {'workload':10} | {'no speculation':>14} | {'n-gram':>14} | {'DSpark':>14} |")
+    print(f"|{'-' * 12}|{'-' * 16}|{'-' * 16}|{'-' * 16}|")
+    for name in sets:
+        cells = [speed[(name, c.name)] for c in configs]
+        ups = ["1.00x" if r["config"] == "no-spec" else f"{r['speedup_median']:.2f}x" for r in cells]
+        print(f"| {name:10} | " + " | ".join(f"{u:>5} {r['tokens_per_s']:5.1f} t/s" for u, r in zip(ups, cells))
+              + " |")
+    for name in sets:
+        ds = speed[(name, "dspark")]
+        lo, hi = ds["speedup_spread"]
+        st = ds["dspark"]["stats"]
+        by = st.get("by_source", {})
+        parts = ", ".join(f"{src} {c.get('accepted', 0)} of {c.get('verified', 0)}" for src, c in sorted(by.items()))
+        acc = ds["mean_acceptance_length"]
+        print(f"DSpark on {name}: spread {lo:.2f}-{hi:.2f}x, acceptance length "
+              + (f"{acc:.2f}" if acc == acc else "-") + f"; drafted in {st['steps_drafted']} of {st['steps']} "
+              f"steps; draft tokens accepted of verified, by source: {parts or 'none'}")
     if same is not None:
-        print(f"greedy outputs identical to no speculation (float32): {sum(same)}/{len(same)}")
-    return 0 if same is None or all(same) else 1
-
+        print("greedy outputs identical to no speculation (float32): "
+              + ", ".join(f"{name} {sum(v)}/{len(v)}" for name, v in same.items()))
+    return 0 if same is None or all(all(v) for v in same.values()) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

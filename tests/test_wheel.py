@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REQUIRED = ("vllm_dspark/plugin.py", "vllm_dspark/tools/cli.py", "vllm_dspark/tools/cpu_setup.py",
             "vllm_dspark/tools/prompt_record.py", "vllm_dspark/tools/deploy/batch.py",
             "vllm_dspark/spec_decode/v1/proposer.py", "vllm_dspark/assets/smollm2/dspark/model.safetensors",
-            "vllm_dspark/assets/smollm2/dspark/token_frequency.json")
+            "vllm_dspark/assets/smollm2/dspark/token_frequency.json",
+            "vllm_dspark/assets/smollm2/dspark/copy_prior.json")
 # The workshop, wherever it once lived in the package.
 FORBIDDEN = ("benchmarks/", "training/", "tests/", "scripts/", "vllm_dspark/tools/bench/",
              "vllm_dspark/tools/training/", "vllm_dspark/tools/tiny_pair.py", "vllm_dspark/tools/deploy/ray_cpu.py",

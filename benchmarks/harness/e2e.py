@@ -80,18 +80,18 @@ def dspark_spec(draft: str, block: int = 7, **dspark) -> dict:
 
 
 def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
-    """No speculation, n-gram, the DFlash-style ablation, DSpark (defaults), DSpark with the copy source
-    and DSpark verifying every draft."""
+    """No speculation, n-gram, the DFlash-style ablation, DSpark (defaults: the copy source on), DSpark with
+    the copy off, and DSpark's drafter verifying every draft."""
     out = [EngineConfig("no-spec"),
            EngineConfig("ngram", {"method": "ngram", "num_speculative_tokens": block, "prompt_lookup_max": 4,
                                   "prompt_lookup_min": 2})]
     if pair.ablation:
         out.append(EngineConfig("dflash-ablation", dspark_spec(pair.ablation, block)))
-    out.append(EngineConfig("dspark", dspark_spec(pair.draft, block)))
-    out.append(EngineConfig("dspark-copy", dspark_spec(pair.draft, block, copy="auto")))
-    # Every draft verified: the drafter's acceptance, which the budget's selectivity cannot flatter,
-    # and the fixed length the budget's speed is held against.
-    out.append(EngineConfig("dspark-fixed", dspark_spec(pair.draft, block, verification="fixed")))
+    out.append(EngineConfig("dspark", dspark_spec(pair.draft, block)))  # the defaults: the copy source on
+    out.append(EngineConfig("dspark-copy-off", dspark_spec(pair.draft, block, copy="off")))
+    # Every draft verified: the drafter's acceptance, which the budget's selectivity cannot flatter
+    # (so the drafter alone, no copy), and the fixed length the budget's speed is held against.
+    out.append(EngineConfig("dspark-fixed", dspark_spec(pair.draft, block, verification="fixed", copy="off")))
     return out
 
 

@@ -9,7 +9,8 @@ is far too wide to tell whether a drafter costs 3%. Stepped in lockstep, the
 same two engines gave 1.013x [1.008-1.020]. Each engine's step is about 30 ms
 at batch 1, so every configuration sees the same seconds of the machine.
 
-**How a cell runs.** Every engine gets the same requests, in waves of C. In
+**How a cell runs.** Every engine gets the same requests, in waves of C (or, ``queued``, all at
+once with at most C running: :func:`batch_of`, a server's full batch while the queue lasts). In
 each round, every engine that still has unfinished requests runs one
 ``LLMEngine.step()``: it schedules, runs the forward and sampling, drafts and
 processes the outputs. The round's order is reversed on odd repeats. An
@@ -122,22 +123,45 @@ def _step_all(engines: dict, order: list[str], seconds: dict[str, float], steps:
         live = [n for n in live if engines[n].llm_engine.has_unfinished_requests()]
 
 
-def run_cell(engines: dict, cell: list, c: int, params, order: list[str], tag: str) -> dict[str, dict]:
-    """One repeat of a cell: every engine gets the cell's prompts in waves of ``c``, stepped in lockstep.
-    Returns per engine: outputs (prompt order), output tokens, seconds in ``step()``, steps."""
+def _scheduler(llm):
+    """The in-process engine core's scheduler (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+@contextlib.contextmanager
+def batch_of(engines: dict, c: int):
+    """Every engine runs at most ``c`` requests at once, as with ``max_num_seqs`` ``c``: the scheduler's
+    admission limit, lowered for a cell (the runner keeps the slots of the engine's ``max_num_seqs``)."""
+    old = {n: _scheduler(llm).max_num_active_reqs for n, llm in engines.items()}
+    for n, llm in engines.items():
+        _scheduler(llm).max_num_active_reqs = min(c, old[n])
+    try:
+        yield
+    finally:
+        for n, llm in engines.items():
+            _scheduler(llm).max_num_active_reqs = old[n]
+
+
+def run_cell(engines: dict, cell: list, c: int, params, order: list[str], tag: str,
+             queued: bool = False) -> dict[str, dict]:
+    """One repeat of a cell: every engine gets the cell's prompts in waves of ``c``, stepped in lockstep;
+    ``queued``: all of them at once, at most ``c`` running (a full batch of ``c`` while the queue lasts, as
+    a server's). Returns per engine: outputs (prompt order), output tokens, seconds in ``step()``, steps."""
     seconds = dict.fromkeys(order, 0.0)
     steps = dict.fromkeys(order, 0)
     done: dict[str, dict[str, list[int]]] = {n: {} for n in order}
     for llm in engines.values():
         llm.reset_prefix_cache()  # see e2e._generate: repeats must not time prefix-cache hits on one side only
     ids = []
-    for i in range(0, len(cell), c):
-        wave = [f"{tag}-{j}" for j in range(i, min(i + c, len(cell)))]
+    size = len(cell) if queued else c
+    for i in range(0, len(cell), size):
+        wave = [f"{tag}-{j}" for j in range(i, min(i + size, len(cell)))]
         ids += wave
         for name in order:
-            for rid, prompt in zip(wave, _inputs(cell[i:i + c])):
+            for rid, prompt in zip(wave, _inputs(cell[i:i + size])):
                 engines[name].llm_engine.add_request(rid, prompt, params)
-        _step_all(engines, order, seconds, steps, done)
+        with batch_of(engines, c) if queued else contextlib.nullcontext():
+            _step_all(engines, order, seconds, steps, done)
     out = {}
     for name in order:
         outputs = [done[name][rid] for rid in ids]
@@ -155,7 +179,7 @@ def rotated(built: list[EngineConfig], b: int) -> list[EngineConfig]:
 
 
 def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, max_tokens: int, max_seqs: int,
-           env: dict, ignore_eos: bool, tag: str, log, share: bool = False) -> dict:
+           env: dict, ignore_eos: bool, tag: str, log, share: bool = False, queued: bool = False) -> dict:
     """Build the engines in ``order``, run every cell ``repeats`` times in lockstep, close them.
     Returns, per cell index, the runs and the DSpark engines' counter deltas."""
     out: dict = {}
@@ -180,8 +204,8 @@ def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, 
         for ci, (_, temp, c, cell) in enumerate(cells):
             params = _params(max_tokens, temp, ignore_eos)
             before = {n: dspark_report(engines[n]) for n in dspark}
-            runs = [run_cell(engines, cell, c, params, names if rep % 2 == 0 else names[::-1], f"{tag}c{ci}r{rep}")
-                    for rep in range(repeats)]
+            runs = [run_cell(engines, cell, c, params, names if rep % 2 == 0 else names[::-1], f"{tag}c{ci}r{rep}",
+                             queued) for rep in range(repeats)]
             deltas = {}
             for n, was in before.items():
                 now = dspark_report(engines[n])
@@ -201,7 +225,7 @@ def _sum(a: dict, b: dict) -> dict:
 def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, list], *, concurrencies=(1,),
                  temperatures=(0.0,), max_tokens: int = 256, repeats: int = 3, builds: int = 1,
                  prompts_per_cell=None, log=print, kv_cache_gib: int = 2, ignore_eos: bool = False,
-                 share: bool = False) -> list[dict]:
+                 share: bool = False, queued: bool = False) -> list[dict]:
     """Every configuration (and the control) in lockstep, cell by cell: ``builds`` times built, in
     rotated orders, each build measuring every cell ``repeats`` times. Rows as
     ``e2e.run_interleaved`` gives them, with ``lockstep`` details and the control's row. ``share``:
@@ -213,7 +237,7 @@ def run_lockstep(pair: Pair, configs: list[EngineConfig], datasets: dict[str, li
     cells = list(_cells(datasets, temperatures, concurrencies, prompts_per_cell))
     results = [_build(pair, rotated(built, b), cells, repeats=repeats, max_tokens=max_tokens,
                       max_seqs=max(concurrencies), env=env, ignore_eos=ignore_eos, tag=f"build {b + 1}/{builds}",
-                      log=log, share=share) for b in range(builds)]
+                      log=log, share=share, queued=queued) for b in range(builds)]
     rows = []
     names = [c.name for c in built]
     for ci, (ds, temp, c, cell) in enumerate(cells):

@@ -51,6 +51,46 @@ def test_engines_take_one_step_each_in_turn_until_their_requests_are_done():
     assert all(e.resets == 1 for e in engines.values())
 
 
+class QueuedEngine(FakeEngine):
+    """A FakeEngine whose scheduler runs at most ``max_num_active_reqs`` requests, admitting in order;
+    odd-numbered requests take twice as many steps."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.max_num_active_reqs = 8
+        self.engine_core = SimpleNamespace(engine_core=SimpleNamespace(scheduler=self))
+        self.batches: list[int] = []
+        self.length: dict[str, int] = {}
+
+    def add_request(self, rid, prompt, params):
+        self.left[rid] = self.length[rid] = self.per * (1 + int(rid.rsplit("-", 1)[1]) % 2)
+
+    def step(self):
+        running = list(self.left)[: self.max_num_active_reqs]
+        self.batches.append(len(running))
+        self.calls.append(self.name)
+        out = []
+        for rid in running:
+            self.left[rid] -= 1
+            if not self.left[rid]:
+                del self.left[rid]
+                out.append(SimpleNamespace(request_id=rid, finished=True,
+                                           outputs=[SimpleNamespace(token_ids=[1] * self.length[rid])]))
+        return out
+
+
+def test_a_queued_cell_keeps_the_batch_full_while_the_queue_lasts():
+    calls: list[str] = []
+    eng = QueuedEngine("a", calls, 2)
+    res = run_cell({"a": eng}, [f"p{i}" for i in range(5)], 2, None, ["a"], "t", queued=True)
+    # Five requests (2, 4, 2, 4, 2 steps) queued at once, two running: a full batch until the queue is out.
+    assert eng.batches == [2, 2, 2, 2, 2, 2, 1, 1] and res["a"]["tokens"] == 14
+    assert eng.max_num_active_reqs == 8  # the engine's own limit is back after the cell
+    waves = QueuedEngine("b", calls, 2)
+    assert run_cell({"b": waves}, [f"p{i}" for i in range(5)], 2, None, ["b"], "t")["b"]["tokens"] == 14
+    assert waves.batches == [2, 2, 1, 1, 2, 2, 1, 1, 1, 1]  # waves of 2: each waits for its longest request
+
+
 def test_the_control_brackets_the_drafters_and_ngram_comes_last():
     cfgs = [EngineConfig("ngram", {"method": "ngram"}), EngineConfig("dspark", {"method": "dspark"}),
             EngineConfig("no-spec"), EngineConfig("fixed", {"method": "dspark"})]

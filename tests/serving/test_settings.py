@@ -178,12 +178,17 @@ def test_async_scheduling_turns_the_default_budget_into_fixed_and_refuses_a_chos
 def test_v2_names_every_table_setting_it_ignores():
     from vllm_dspark.serving.settings import not_applied_on_v2
 
-    assert not_applied_on_v2({}) is None
-    msg = not_applied_on_v2({"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.9", "VLLM_DSPARK_WINDOW": "64", "OTHER": "1"})
+    assert not_applied_on_v2({}, copy="off") is None
+    # The copy source is on by default: the line says it does not run on V2 whenever it is on.
+    assert "the copy source (copy: auto, the default) does not run there" in not_applied_on_v2({})
+    assert "does not run there" in not_applied_on_v2({}, copy="auto")
+    msg = not_applied_on_v2({"VLLM_DSPARK_CONFIDENCE_THRESHOLD": "0.9", "VLLM_DSPARK_WINDOW": "64", "OTHER": "1"},
+                            copy="off")
     assert msg.startswith("VLLM_DSPARK_CONFIDENCE_THRESHOLD, VLLM_DSPARK_WINDOW are not applied")
     assert "OTHER" not in msg and "copy source" not in msg
     msg = not_applied_on_v2({"VLLM_DSPARK_COPY": "auto"})
     assert msg.startswith("VLLM_DSPARK_COPY is not applied") and "upstream's speculator owns the draft" in msg
+    assert "copy source" not in not_applied_on_v2({"VLLM_DSPARK_COPY": "off"})
 
 
 def test_a_settings_error_carries_each_problem_as_a_value():

@@ -37,7 +37,9 @@ NEVER_PAYS = {"verify": [[1, 0.01], [512, 5.12]], "draft": [[1, 1.0], [64, 1.0]]
 def _run(pair, prompts, dspark, env=None, sampled_too=False):
     from vllm import SamplingParams
 
-    spec = {"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 7, "dspark": dspark}
+    # The drafter's budget alone: the copy source (on by default) has its own tests (test_engine_copy*).
+    spec = {"method": "dspark", "model": pair["draft"], "num_speculative_tokens": 7,
+            "dspark": {"copy": "off", **dspark}}
     with llm_engine(pair["target"], speculative_config=spec, env=env or {}) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

@@ -105,7 +105,12 @@ def test_steps_with_copies_only_skip_the_drafters_forward(copy_run):
     # The drafter was blocked by its rejections, yet the copies went on: its forward ran on far
     # fewer steps than drafts were sent (block_forward time accrues only when it runs).
     assert len(copied_steps - dspark_steps) > len(dspark_steps), (len(copied_steps), len(dspark_steps))
-    assert report["timings_s"]["context_kv_only"] > 0 and report["timings_s"]["copy_source"] > 0
+    assert report["timings_s"]["copy_source"] > 0
+    # Those steps kept their accepted context rows for the drafter's next store (several rows a request
+    # after a verify), instead of storing them at once; greedy identity above says the store was exact.
+    held = report["held_context"]
+    assert held["copy_steps_held"] > 0 and held["held_tokens"] > held["held_steps"], held
+    assert held["flushed_tokens"] > 0, held
     assert st["tokens_accepted"] > 0
     assert all(r["path"] == "copy" for r in drafted if r["source"] == "copy")
     assert all(r["path"] != "copy" for r in drafted if r["source"] == "dspark")

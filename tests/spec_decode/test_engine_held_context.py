@@ -42,7 +42,7 @@ def _run(target, draft, prompts, dspark, trace):
     from vllm import SamplingParams
 
     spec = {"method": "dspark", "model": draft, "num_speculative_tokens": 7,
-            "dspark": {**dspark, "trace": str(trace)}}
+            "dspark": {"copy": "off", **dspark, "trace": str(trace)}}  # the drafter's held context alone
     with llm_engine(target, speculative_config=spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS * 2, temperature=0.0, ignore_eos=True))
@@ -110,7 +110,7 @@ def test_held_context_of_finished_requests_never_lands_in_reused_blocks(qwen_pai
     from tests.helpers import make_prompts
 
     spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7,
-            "dspark": {"verification": "budget", "costs": NEVER_PAYS, "window": 128}}
+            "dspark": {"verification": "budget", "costs": NEVER_PAYS, "window": 128, "copy": "off"}}
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     with llm_engine(qwen_pair["target"], speculative_config=spec, enable_prefix_caching=False) as llm:
         llm.generate([{"prompt_token_ids": p} for p in make_prompts(seed=1)], params)

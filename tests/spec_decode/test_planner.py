@@ -134,3 +134,68 @@ def test_the_choice_among_sources_is_the_budgets_cut_at_the_copy_and_keeps_copy_
     assert kept == [3, 2, 3] and picks == [MODEL_SOURCE, COPY_SOURCE, COPY_SOURCE]
     assert seen["caps"] == [N, N, 0] and seen["confs"][COPY_SOURCE].dtype == np.float64
     assert calls == [(kept, picks)]
+
+
+def _prior(rate_by_bin: dict[int, float], positions: int = N, weight: float = 1000.0):
+    from vllm_dspark.spec_decode.common.copy_prior import CopyPrior
+
+    hits, counts, pred = (np.zeros((positions, 10)) for _ in range(3))
+    for b, rate in rate_by_bin.items():
+        counts[:, b], hits[:, b], pred[:, b] = weight, weight * rate, weight * (b + 0.5) / 10
+    return CopyPrior(hits, counts, pred, 2, 8)
+
+
+def test_with_a_prior_a_long_match_is_copied_from_the_first_step():
+    """n-gram's eagerness where the copy's measured acceptance pays: no probe, no wait."""
+    conf = np.array([[0.95] * N, [0.35] * N], np.float32)  # a long match; a 2-token match
+    copy = CopyDrafts(conf, [N, N])
+    eager = StepPlanner(settings(copy="auto"), N, lambda fn: fn(), _prior({9: 0.99, 3: 0.02}))
+    eager.costs = C.CostModel(verify=[(1, 0.03), (256, 0.03 + 255 * 0.002)], draft=[(1, 0.01), (64, 0.02)])
+    plan = eager.plan([N, N], np.zeros(2, bool), copy)
+    assert plan.copy_mode is PlanMode.DRAFT and plan.copy_kept[0] == N and plan.copy_kept[1] == 0
+    unproven = StepPlanner(settings(copy="auto"), N, lambda fn: fn())
+    unproven.costs = eager.costs
+    assert unproven.plan([N, N], np.zeros(2, bool), copy).copy_mode is not PlanMode.DRAFT
+
+
+@pytest.mark.parametrize("rule", ["threshold", "product", "fixed"])
+def test_a_verification_rule_gives_each_request_the_source_that_promises_more(rule):
+    decide, calls = decide_log()
+    p = StepPlanner(settings(verification=rule, threshold=0.5, copy="auto"), N, decide, _prior({9: 0.99}))
+    conf = np.array([[0.95] * N, [0.95] * 2 + [0] * 2, [0] * N], np.float32)
+    copy = CopyDrafts(conf, [N, 2, 0])  # a full copy, a short one, none
+    plan = p.plan([N, N, N], np.zeros(3, bool), copy)
+    assert plan.mode is PlanMode.DRAFT and plan.sources == (MODEL_SOURCE, COPY_SOURCE)
+    model = np.full((3, N), 0.9)
+    kept, picks = p.allocate(plan, [N, N, N], np.zeros(3, bool), model, copy)
+    # The drafter is unmeasured (its calibrated levels start low): the copies win where they exist, but
+    # under fixed a short copy would verify fewer than the fixed count, so that request keeps the drafter.
+    want_short = MODEL_SOURCE if rule == "fixed" else COPY_SOURCE
+    assert picks == [COPY_SOURCE, want_short, MODEL_SOURCE]
+    assert kept[0] == N and kept[1] == (N if rule == "fixed" else 2)
+    assert calls[-1] == (kept, picks)  # the decider's choice is what every rank keeps
+    off = StepPlanner(settings(verification=rule, threshold=0.5, copy="off"), N, lambda fn: fn())
+    assert off.plan([N, N, N], np.zeros(3, bool), copy).sources == (MODEL_SOURCE,)
+
+
+def test_a_sources_own_cost_is_learnt_from_a_profile_and_fixed_by_a_given_table():
+    learnt = C.CostModel(verify=[(1, 0.03), (64, 0.06)], draft=[(1, 0.01), (64, 0.02)])
+    assert not learnt.has_source(COPY_SOURCE)
+    learnt.observe_source(COPY_SOURCE, 1, 0.004)
+    learnt.observe_source(COPY_SOURCE, 8, 0.010)
+    assert learnt.draft_time(1, COPY_SOURCE) == pytest.approx(0.004)
+    assert learnt.draft_time(4, COPY_SOURCE) == pytest.approx(0.004 + 3 * 0.006 / 7)
+    given = C.CostModel.from_dict({"verify": [[1, 0.03]], "draft": [[1, 0.01]],
+                                   "sources": {COPY_SOURCE: [[1, 0.002]]}}, given=True)
+    given.observe_source(COPY_SOURCE, 1, 1.0)  # a busy machine's step: not learnt
+    assert given.draft_time(1, COPY_SOURCE) == pytest.approx(0.002)
+    bare = C.CostModel.from_dict({"verify": [[1, 0.03]], "draft": [[1, 0.01]]}, given=True)
+    bare.observe_source(COPY_SOURCE, 1, 1.0)
+    assert not bare.has_source(COPY_SOURCE)  # a given table without the copy's cost: 0, whatever the load
+
+
+def test_a_copy_that_does_not_pay_for_its_own_step_is_declined():
+    surv = np.array([[0.9, 0.8, 0.7, 0.6]])
+    costs = C.CostModel(verify=[(1, 0.030), (64, 0.030 + 63 * 0.001)], draft=[(1, 0.01), (64, 0.02)])
+    assert sum(budget.allocate(surv, [N], costs).kept) == N
+    assert sum(budget.allocate(surv, [N], costs, source_cost=0.2).kept) == 0  # 0.2 s a step: never pays

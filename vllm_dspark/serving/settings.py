@@ -95,7 +95,7 @@ class DSparkSettings:
     draft_vocab: int | None = None
     draft_vocab_table: str | None = None
     draft_vocab_auto: bool = False  # chosen by ``auto``: a head the slice cannot serve turns it off, not an error
-    copy: str = _default("copy")  # "auto": the copy source drafts beside the drafter (budget only)
+    copy: str = _default("copy")  # "auto": the copy source drafts beside the drafter (every verification mode)
     copy_min_match: int = _default("copy_min_match")
     copy_shared: int | None = None  # tokens of recent requests' outputs the copy source indexes (None: off)
     sources: tuple[tuple[str, str], ...] = field(default=())
@@ -109,8 +109,9 @@ class DSparkSettings:
 
     @property
     def copies(self) -> bool:
-        """Whether the copy source drafts: ``copy: auto`` under the budget, which makes the choice."""
-        return self.copy == "auto" and self.verification == "budget"
+        """Whether the copy source drafts (``copy: auto``): the budget, or the verification rule, picks each
+        request's source."""
+        return self.copy == "auto"
 
     def trust(self) -> dict[str, float | int]:
         """The budget's :class:`~vllm_dspark.spec_decode.common.budget.TrustConfig` arguments (a plain dict:
@@ -196,21 +197,24 @@ def for_async_scheduling(s: DSparkSettings) -> tuple[DSparkSettings, str | None]
         f"speculative_config['{SPEC_KEY}']['verification'] to 'fixed'")
 
 
-def not_applied_on_v2(environ: Mapping[str, str] | None = None) -> str | None:
+def not_applied_on_v2(environ: Mapping[str, str] | None = None, copy: str | None = None) -> str | None:
     """The warning for DSpark environment settings vLLM 0.33's V2 path ignores, or None when none is set.
 
     On V2 upstream's own DSpark speculator drafts and verifies; only the Markov op is
     ours, so none of this table's settings applies there (verification is upstream's
-    ``enable_adaptive_verification``, fed by the confidence head).
+    ``enable_adaptive_verification``, fed by the confidence head). The copy source is on by default,
+    so the line says it does not run whenever it is on (``copy``: the resolved setting, when known).
     """
     env = os.environ if environ is None else environ
     ignored = [row.env for row in SETTINGS if row.env and env.get(row.env)]
+    copy_on = (copy if copy is not None else env.get("VLLM_DSPARK_COPY", _default("copy"))) != "off"
+    copy = ("the copy source (copy: auto, the default) does not run there: upstream's speculator owns the draft"
+            if copy_on else "")
     if not ignored:
-        return None
-    copy = ("; the copy source (VLLM_DSPARK_COPY) does not run there: upstream's speculator owns the draft"
-            if "VLLM_DSPARK_COPY" in ignored else "")
+        return copy or None
     return (f"{', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} not applied on vLLM 0.33's V2 path; "
-            "use the speculative config's enable_adaptive_verification (fed by the confidence head)" + copy)
+            "use the speculative config's enable_adaptive_verification (fed by the confidence head)"
+            + (f"; {copy}" if copy else ""))
 
 
 def settings_of(hf_config: Any) -> DSparkSettings:

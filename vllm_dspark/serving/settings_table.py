@@ -136,10 +136,18 @@ def cost_table(value: Any, name: str, source: str) -> dict:
     ok = isinstance(value, dict) and all(
         isinstance(value.get(k), (list, tuple)) and value.get(k)
         and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value[k]) for k in ("verify", "draft"))
+    sources = value.get("sources", {}) if isinstance(value, dict) else None
+    ok = ok and isinstance(sources, dict) and all(
+        isinstance(v, (list, tuple)) and v and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in v)
+        for v in sources.values())
     if not ok:
         raise DSparkSettingsError(f"{name} ({source}): expected {{'verify': [[tokens, seconds], ...], "
-                                  "'draft': [[requests, seconds], ...]}")
-    return {k: [[float(a), float(b)] for a, b in value[k]] for k in ("verify", "draft")}
+                                  "'draft': [[requests, seconds], ...]} and optionally 'sources': "
+                                  "{'copy': [[requests, seconds], ...]}")
+    out = {k: [[float(a), float(b)] for a, b in value[k]] for k in ("verify", "draft")}
+    if sources:
+        out["sources"] = {str(k): [[float(a), float(b)] for a, b in v] for k, v in sources.items()}
+    return out
 
 
 # ------------------------------------------------------------------ the table
@@ -194,7 +202,8 @@ SETTINGS: tuple[Setting, ...] = (
             "false drafts without the Markov bias (ablation, diagnostic only)"),
     Setting("costs", None, None, cost_table, None, "profiled at start-up",
             "the budget's cost table, `{\"verify\": [[tokens, s], ...], \"draft\": [[requests, s], ...]}`, "
-            "instead of the start-up profile"),
+            "instead of the start-up profile; `\"sources\": {\"copy\": [[requests, s], ...]}` fixes the copy's "
+            "own cost of a step (else 0 with a given table; learnt online with a profile)"),
     Setting("profile_cache", "VLLM_DSPARK_PROFILE_CACHE", None, on_off_or_dir, "on", "`<cache>/budget`",
             "where the budget's start-up profiles are cached: `on`, `off` (profile at every start) or a "
             "directory (the tests pin their own)"),
@@ -220,12 +229,13 @@ SETTINGS: tuple[Setting, ...] = (
                    integer=True), 8, "8",
             "budget: drafting steps in a row with every draft rejected that stop admitting (sooner when the "
             "run was unlikely; 0: never)"),
-    Setting("copy", "VLLM_DSPARK_COPY", None, choice(*COPY_MODES), "off", "`off` (until measured)",
+    Setting("copy", "VLLM_DSPARK_COPY", None, choice(*COPY_MODES), "auto", "`auto`",
             "`auto`: each request may also draft by copying the continuation of the longest earlier match "
-            "of its latest tokens in its own prompt and output; the budget calibrates the copy's acceptance "
-            "by match length, probes it while unproven, and gives each request the source that promises "
-            "more (with `verification: budget` only; the drafter's forward is skipped when every request "
-            "copies); `off`: the drafter alone"),
+            "of its latest tokens in its own prompt and output; the copy's acceptance by match length starts "
+            "from the drafter's `copy_prior.json` (measured offline) and is calibrated online, and each "
+            "request takes the source that promises more (the budget also skips the drafter's forward when "
+            "every request copies; under `fixed` only a copy as long as the cap is taken); `off`: the "
+            "drafter alone"),
     Setting("copy_min_match", "VLLM_DSPARK_COPY_MIN_MATCH", None,
             number(1, 64, "tokens the latest suffix must match to copy", integer=True), 2, "2",
             "the copy source's shortest match, in tokens (longer: fewer, surer copies)"),

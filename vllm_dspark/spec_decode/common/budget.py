@@ -80,7 +80,7 @@ def expected_tokens(surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
 
 
 def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_tokens: int = 0,
-             margin: float = 0.02) -> Allocation:
+             margin: float = 0.02, source_cost: float = 0.0) -> Allocation:
     """Admit the survival-ranked prefix of slots that maximises expected tokens per second.
 
     Parameters
@@ -91,6 +91,8 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     extra_tokens : tokens in the next step besides the R decode tokens and the drafts
         (e.g. prefill chunks scheduled alongside), which the verify cost also pays for
     margin : drafting must beat plain decoding by this fraction to be forecast to pay
+    source_cost : seconds the drafts' source adds to a step that sends any (the copy's, measured:
+        ``CostModel.observe_source``); the admitted prefix pays for it, or nothing is admitted
     """
     surv = np.minimum.accumulate(np.asarray(surv, dtype=np.float64), axis=1) if surv.size else surv
     r = surv.shape[0]
@@ -110,6 +112,7 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     m = np.arange(len(v) + 1)
     gain = np.concatenate([[0.0], np.cumsum(v)])
     t = np.asarray(costs.verify_time(base_tokens + m), dtype=np.float64)
+    t[1:] += source_cost
     rate = (r + gain) / t
     best = int(np.argmax(rate))
     draft_rate = float(np.max((r + gain) / (t + d)))

@@ -121,6 +121,23 @@ class Calibrator:
                 pred[m, j, b] += c
                 hits[m, j, b] += hit
 
+    def seed(self, hits: np.ndarray, counts: np.ndarray, pred: np.ndarray, *, sampled: bool = False,
+             cap: float = 40.0) -> None:
+        """Start from an offline measurement ([P, bins] hits, counts and summed confidences, e.g. the copy
+        source walked over committed answers) instead of the pessimistic prior.
+
+        Each cell keeps its measured rate but weighs at most ``cap`` observations, so online evidence
+        (which fades the seed like any old evidence, ``memory``) takes over after a few dozen verified
+        drafts. The seed is belief, not measurement: the report's totals and :meth:`measured` leave it out.
+        """
+        c = np.asarray(counts, dtype=np.float64)[: self.num_positions, : self.bins]
+        scale = np.minimum(1.0, cap / np.maximum(c, 1e-12))
+        p, b = c.shape
+        m = int(sampled)
+        self.counts[m, :p, :b] += c * scale
+        self.hits[m, :p, :b] += np.asarray(hits, dtype=np.float64)[:p, :b] * scale
+        self.pred_sum[m, :p, :b] += np.asarray(pred, dtype=np.float64)[:p, :b] * scale
+
     def table(self) -> dict:
         """The head's calibration: predicted vs measured conditional acceptance per position and per
         confidence bin (both modes pooled, every observation), the expected calibration error over

@@ -6,7 +6,9 @@ budget's question, answered with the budget's machinery on the copy's own eviden
 
 * its own :class:`~vllm_dspark.spec_decode.common.calibration.Calibrator` (``BudgetPolicy.
   calibrator_of(COPY_SOURCE)``), which learns acceptance per position and per confidence bin,
-  so per match length; nothing is believed before it is measured;
+  so per match length. It starts from the acceptance measured offline on the target's answers and
+  stored with the drafter (``copy_prior.py``), so a match is drafted from the first step where it
+  pays; without a stored prior nothing is believed before it is measured;
 * the same :func:`~vllm_dspark.spec_decode.common.budget.allocate` against the same verify
   cost. A copy costs no forward, so its slots pay as soon as their survival outweighs their
   verify time;
@@ -39,6 +41,7 @@ from vllm_dspark.spec_decode.common.budget import (
     expected_tokens,
     survival,
 )
+from vllm_dspark.spec_decode.common.copy_prior import CopyPrior
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 
 
@@ -46,11 +49,15 @@ class CopyPolicy:
     """The copy source's decisions, beside the drafter's :class:`BudgetPolicy` (which it shares
     the cost model, the trust settings and the calibrators with)."""
 
-    def __init__(self, policy: BudgetPolicy):
+    def __init__(self, policy: BudgetPolicy, prior: CopyPrior | None = None):
         self.policy = policy
         self.calibrator = policy.calibrator_of(COPY_SOURCE)
+        self.prior = prior
+        if prior is not None:  # greedy acceptance measured offline (copy_prior.py); sampled starts pessimistic
+            self.calibrator.seed(prior.hits, prior.counts, prior.pred)
         self.rhythm = ProbeRhythm(policy.trust.probe_period, policy.trust.probe_max_period)  # its own
-        self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only"), 0)
+        self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only",
+                                       "probes_outranked"), 0)
 
     # -------------------------------------------------------------- evidence
     def feedback(self, kind: PlanMode, results: Sequence[Feedback]) -> None:
@@ -66,6 +73,13 @@ class CopyPolicy:
             self.rhythm.rejected()
 
     # -------------------------------------------------------------- pieces
+    def cost(self, requests: int) -> float:
+        """The copy's own cost of a step that sends copies at this batch size, once measured (0 before:
+        the first copy step measures it)."""
+        costs = self.policy.costs
+        return costs.draft_time(requests, COPY_SOURCE) if costs is not None and costs.has_source(COPY_SOURCE) \
+            else 0.0
+
     def survival(self, conf: np.ndarray, lengths: Sequence[int], sampled: np.ndarray, *,
                  optimistic: bool = False) -> np.ndarray:
         """[R, N] calibrated survival of each request's copy (0 past its copied length)."""
@@ -126,13 +140,15 @@ class CopyPolicy:
         surv = self.survival(conf, lengths, sampled)
         if model.mode is PlanMode.DRAFT:
             return self._with_drafting(model, conf, surv, lengths, caps, drafter_caps, sampled)
+        if model.mode is PlanMode.PROBE:
+            model = self._outrank_probe(model, surv, caps)
         free = np.ones(r, dtype=bool)
         extra = 0
         if model.mode is PlanMode.PROBE:
             free[list(model.rows)] = False
             extra = len(model.rows) * model.tokens
         eff = [c if f else 0 for c, f in zip(caps, free, strict=True)]
-        kept = allocate(surv, eff, self.policy.costs, extra_tokens=extra).kept
+        kept = allocate(surv, eff, self.policy.costs, extra_tokens=extra, source_cost=self.cost(r)).kept
         mode = PlanMode.DRAFT
         if sum(kept) == 0:
             kept, mode = self._probe(conf, lengths, caps, sampled, free, extra), PlanMode.PROBE
@@ -140,6 +156,18 @@ class CopyPolicy:
             return model
         self.counters["steps_sent"] += 1
         return Plan(model.mode, model.rows, model.tokens, (*(model.sources or ()), COPY_SOURCE), tuple(kept), mode)
+
+    def _outrank_probe(self, model: Plan, surv: np.ndarray, caps: Sequence[int]) -> Plan:
+        """The drafter's probe without the requests whose copy its calibration admits on its own: probes
+        are for the unproven drafter, and a proven copy (a long match, believed from the prior) is worth
+        more on that row than a probe's couple of drafts. No probe row left: the drafter skips."""
+        assert self.policy.costs is not None
+        admitted = allocate(surv, caps, self.policy.costs, source_cost=self.cost(len(caps))).kept
+        rows = tuple(i for i in model.rows if not admitted[i])
+        if len(rows) == len(model.rows):
+            return model
+        self.counters["probes_outranked"] += 1
+        return Plan(PlanMode.PROBE, rows, model.tokens) if rows else Plan(PlanMode.SKIP)
 
     def _with_drafting(self, model: Plan, conf: np.ndarray, surv: np.ndarray, lengths: Sequence[int],
                        caps: Sequence[int], drafter_caps: Sequence[int], sampled: np.ndarray) -> Plan:
@@ -152,7 +180,7 @@ class CopyPolicy:
         copy_exp = expected_tokens(surv, caps)
         live = np.asarray(caps) > 0  # requests with a copy
         if np.all((copy_exp >= model_exp) | (np.asarray(drafter_caps) <= 0)):
-            kept = allocate(surv, caps, self.policy.costs).kept
+            kept = allocate(surv, caps, self.policy.costs, source_cost=self.cost(len(caps))).kept
             if sum(kept):
                 self.counters["steps_copy_only"] += 1
                 self.counters["steps_sent"] += 1
@@ -171,4 +199,6 @@ class CopyPolicy:
 
     def report(self) -> dict:
         return {"period": self.rhythm.period, "wait": self.rhythm.wait, **self.counters,
+                "prior": None if self.prior is None else {"accepted_per_step": self.prior.accepted_per_step(),
+                                                          **self.prior.meta},
                 "calibration": self.calibrator.table()}

@@ -48,6 +48,9 @@ class CostModel:
     rebased: int = 0  # how many times rebase() folded the corrections in
     cache_path: str | None = None  # where this model is cached (None: nowhere)
     source_draft: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # other sources' costs
+    # Whether other sources' costs are learnt from the steps observed (a given table fixes them: 0 where it
+    # names none, so a test that pins its costs decides alike under any load).
+    learn_sources: bool = True
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
@@ -67,6 +70,20 @@ class CostModel:
         if points is None:
             raise KeyError(f"the cost model has no draft cost for source {source!r}")
         return float(_interp(points, requests))
+
+    def has_source(self, source: str) -> bool:
+        return source == MODEL_SOURCE or bool(self.source_draft.get(source))
+
+    def observe_source(self, source: str, requests: int, seconds: float) -> None:
+        """A step on which only ``source`` drafted took the proposer ``seconds`` past its plan, for
+        ``requests`` requests: that source's own cost of a step that sends its drafts, learnt per batch
+        size (an EMA per size, the first observation taken as it is)."""
+        if not self.learn_sources:
+            return
+        points = dict(self.source_draft.get(source, []))
+        old = points.get(requests)
+        points[requests] = float(seconds) if old is None else _ema(old, float(seconds), 0.1)
+        self.source_draft[source] = sorted(points.items())
 
     def _far(self, scale: float) -> bool:
         return not (1.0 / self.drift <= scale <= self.drift)
@@ -98,9 +115,12 @@ class CostModel:
                 "source": self.source}
 
     @classmethod
-    def from_dict(cls, d: dict, source: str | None = None) -> CostModel:
+    def from_dict(cls, d: dict, source: str | None = None, *, given: bool = False) -> CostModel:
+        """``given``: a table the user (or a test) set, whose ``sources`` (``{"copy": [[requests, s], ...]}``)
+        are fixed, not learnt; a cached profile's sources are learnt again."""
+        sources = {k: [(int(n), float(t)) for n, t in v] for k, v in (d.get("sources") or {}).items()} if given else {}
         return cls(verify=[tuple(p) for p in d["verify"]], draft=[tuple(p) for p in d["draft"]],
-                   source=source or d.get("source", "given"))
+                   source=source or d.get("source", "given"), source_draft=sources, learn_sources=not given)
 
 
 def _ema(old: float, new: float, a: float) -> float:

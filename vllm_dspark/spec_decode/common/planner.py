@@ -30,6 +30,7 @@ import numpy as np
 from vllm_dspark.spec_decode.common import budget
 from vllm_dspark.spec_decode.common.budget import Feedback, Plan, PlanMode
 from vllm_dspark.spec_decode.common.copy_policy import CopyPolicy
+from vllm_dspark.spec_decode.common.copy_prior import CopyPrior
 from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.common.verify import VerifyStats, rule_lengths
@@ -61,12 +62,12 @@ class StepPlanner:
     ``settings`` is the proposer's ``DSparkSettings``; ``n_draft`` the drafts a block proposes.
     """
 
-    def __init__(self, settings, n_draft: int, decide: Decide):
+    def __init__(self, settings, n_draft: int, decide: Decide, copy_prior: CopyPrior | None = None):
         self.settings = settings
         self.decide = decide
         self.stats = VerifyStats()
         self.policy = budget.BudgetPolicy(n_draft, budget.TrustConfig(**settings.trust()))
-        self.copy_policy = CopyPolicy(self.policy) if settings.copies else None
+        self.copy_policy = CopyPolicy(self.policy, copy_prior) if settings.copies else None
         self.step = 0  # steps decided so far (the trace's step number)
         self.sent: dict[str, SentDrafts] = {}  # req id -> drafts the next step judges
         self.sent_kind = PlanMode.SKIP  # the plan of the step that sent them
@@ -115,6 +116,8 @@ class StepPlanner:
         if max(caps, default=0) <= 0:
             return budget.SKIP  # rank-independent: the caps come from the scheduler and sequence lengths
         if self.settings.verification != "budget":
+            if copy is not None and self.copy_policy is not None and any(copy.lengths):
+                return Plan(PlanMode.DRAFT, sources=(MODEL_SOURCE, COPY_SOURCE))  # a rule picks per request
             return budget.DRAFT
         if self.costs is None:
             raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
@@ -148,6 +151,8 @@ class StepPlanner:
             return kept, [COPY_SOURCE if k else MODEL_SOURCE for k in kept]
         if copy is None or COPY_SOURCE not in (plan.sources or ()):
             return self.verify(model_conf, caps, sampled), [MODEL_SOURCE] * batch
+        if self.settings.verification != "budget":
+            return self._rule_choice(model_conf, caps, sampled, copy)
         confs = {MODEL_SOURCE: model_conf, COPY_SOURCE: copy.confidence.astype(np.float64)}
         probed = list(plan.copy_kept) or [0] * batch  # rows probing the copy keep their probe
         free = [0 if p else c for c, p in zip(caps, probed, strict=True)]
@@ -160,6 +165,33 @@ class StepPlanner:
                 if k:
                     kept[i], picks[i] = k, COPY_SOURCE
             return kept, picks
+
+        kept, picks = self.decide(choose)
+        return list(kept), list(picks)
+
+    def _rule_choice(self, model_conf: np.ndarray, caps: list[int], sampled: np.ndarray,
+                     copy: CopyDrafts) -> tuple[list[int], list[str]]:
+        """Under a verification rule, a request takes its copy where the copy's calibrated survival promises
+        more accepted tokens than the drafter's (its own calibrator on the drafts the rule keeps). A copy
+        is sent whole, up to the cap; under ``fixed`` only a copy as long as the cap is taken, so every
+        request still verifies a fixed number of drafts (what async scheduling needs)."""
+        copy_policy = self.copy_policy
+        assert copy_policy is not None
+        s = self.settings
+
+        def choose() -> tuple[list[int], list[str]]:
+            kept = rule_lengths(model_conf, caps, s.verification, s.threshold)
+            model_exp = budget.expected_tokens(budget.survival(self.policy.calibrator.calibrate(model_conf, sampled)),
+                                               kept)
+            copy_kept = [min(c, n) for c, n in zip(caps, copy.lengths, strict=True)]
+            if s.verification == "fixed":
+                copy_kept = [k if k >= c else 0 for k, c in zip(copy_kept, caps, strict=True)]
+            copy_exp = budget.expected_tokens(copy_policy.survival(copy.confidence, copy.lengths, sampled),
+                                              copy_kept)
+            picks = [COPY_SOURCE if k > 0 and ce > me else MODEL_SOURCE
+                     for k, ce, me in zip(copy_kept, copy_exp, model_exp, strict=True)]
+            return ([ck if p == COPY_SOURCE else mk for ck, mk, p in zip(copy_kept, kept, picks, strict=True)],
+                    picks)
 
         kept, picks = self.decide(choose)
         return list(kept), list(picks)

@@ -62,3 +62,29 @@ def accepted_context(token_ids: torch.Tensor, positions: torch.Tensor, hidden_st
         seq_lens=cad.seq_lens - num_rejected.to(cad.seq_lens.dtype),
         num_actual_tokens=total, max_query_len=int(keep.max()))
     return AcceptedContext(token_ids[idx], positions[idx], hidden_states[idx], new_cad)
+
+
+@dataclasses.dataclass(frozen=True)
+class AcceptedRows:
+    """Which of a step's context rows the target accepted, and whose they are."""
+
+    index: torch.Tensor  # [n] int64 rows of the step's context
+    owners: torch.Tensor  # [n] int64 each row's request (batch row)
+    most: int  # the most rows any one request keeps
+
+
+def accepted_rows(cad, num_rejected: torch.Tensor | None, device: torch.device) -> AcceptedRows | None:
+    """The accepted rows of a step (every row when nothing was rejected), for holding them; None on a GPU,
+    where the rejected counts are not on the host."""
+    if device.type != "cpu":
+        return None
+    batch = cad.batch_size()
+    starts = cad.query_start_loc_cpu[: batch + 1].to(torch.int64).numpy()
+    qlen = np.diff(starts)
+    rejected = np.zeros(batch, np.int64) if num_rejected is None else num_rejected[:batch].to(torch.int64).numpy()
+    keep = qlen - rejected
+    if (keep < 1).any():
+        return None  # the runner's counts disagree with its query lengths: the eager path says so
+    owners = np.repeat(np.arange(batch, dtype=np.int64), keep)
+    index = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in zip(starts[:-1], keep, strict=True)])
+    return AcceptedRows(torch.from_numpy(index), torch.from_numpy(owners), int(keep.max()))

@@ -12,8 +12,10 @@ steps at once, when the drafter next runs or when this buffer must be emptied.
 The buffer is emptied (``flush``) before anything else writes the drafter's
 cache, and a held write must never land on a block that changed hands:
 
-* only decode-only steps are held (one token per request, nothing verified, so
-  no rejected token whose slot the next step writes again);
+* a step is held whole only when it is decode-only (one token per request);
+  a verify step in which the drafter does not run (the copy source drafted
+  alone) is held without its rejected rows (:func:`.accepted_context.
+  accepted_rows`), so no held token sits in a slot the next step writes again;
 * a flush stores only the tokens of requests still in the current batch; those
   of requests that finished, were aborted or were preempted are dropped. Their
   blocks may already belong to another request, and with a drafter KV group of
@@ -22,9 +24,9 @@ cache, and a held write must never land on a block that changed hands:
   new owner, which its forward wrote earlier in this very step;
 * a step joins the held ones only when the batch is the same requests in the
   same order; otherwise what is held is flushed first;
-* at most ``max_steps`` steps are held, so a sliding-window KV manager cannot
-  free a held slot (its window must exceed ``max_steps`` plus one KV block;
-  the proposer holds nothing otherwise).
+* at most ``max_steps`` steps and ``max_tokens`` tokens of any request are
+  held, so a sliding-window KV manager cannot free a held slot (its window must
+  exceed ``max_tokens`` plus one KV block; the proposer holds nothing otherwise).
 
 Dropping costs at most draft quality, and seldom that. The dropped positions
 are a request's last ``max_steps`` or fewer; only full blocks are cached, so
@@ -51,33 +53,48 @@ import torch
 class PendingContext:
     """Target states of held decode steps (see the module docstring for when it is emptied)."""
 
-    def __init__(self, max_steps: int = 16):
-        if max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, not {max_steps}")
-        self.max_steps = max_steps
+    def __init__(self, max_steps: int = 16, max_tokens: int = 64):
+        if max_steps < 1 or max_tokens < max_steps:
+            raise ValueError(f"need 1 <= max_steps <= max_tokens, not {max_steps}, {max_tokens}")
+        self.max_steps, self.max_tokens = max_steps, max_tokens
         self.req_ids: tuple[str, ...] | None = None
         self._states: list[torch.Tensor] = []
         self._positions: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []
+        self._owners: list[torch.Tensor] = []  # per held row: its request's index in req_ids
+        self._per_request: torch.Tensor | None = None  # tokens held per request
         self.counts = {"held_steps": 0, "held_tokens": 0, "flushes": 0, "flushed_tokens": 0, "dropped_tokens": 0}
 
     @property
     def steps(self) -> int:
         return len(self._states)
 
-    def accepts(self, req_ids: Sequence[str]) -> bool:
-        """Whether a decode-only step of this batch may join what is held (else flush first)."""
-        return self.steps == 0 or (tuple(req_ids) == self.req_ids and self.steps < self.max_steps)
+    def accepts(self, req_ids: Sequence[str], tokens: int = 1) -> bool:
+        """Whether a step of this batch adding up to ``tokens`` per request may join what is held (else
+        flush first)."""
+        if self.steps == 0:
+            return tokens <= self.max_tokens
+        held = 0 if self._per_request is None else int(self._per_request.max())
+        return tuple(req_ids) == self.req_ids and self.steps < self.max_steps and held + tokens <= self.max_tokens
 
     def hold(self, req_ids: Sequence[str], states: torch.Tensor, positions: torch.Tensor,
-             slots: torch.Tensor) -> None:
-        """Hold one decode-only step: raw target states [n, A], positions [n], drafter-cache slots [n]."""
-        if not self.accepts(req_ids):
-            raise RuntimeError("PendingContext.hold: flush first (the batch changed or the buffer is full)")
+             slots: torch.Tensor, owners: torch.Tensor | None = None) -> None:
+        """Hold one step: raw target states [n, A], positions [n], drafter-cache slots [n]; ``owners`` [n]
+        each row's request (its index in ``req_ids``), None for a decode-only step (row i is request i)."""
         n = states.shape[0]
-        if positions.shape[0] != n or slots.shape[0] != n or n != len(req_ids):
-            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots for "
-                             f"{len(req_ids)} requests (a decode-only step has one token per request)")
+        if owners is None:
+            if n != len(req_ids):
+                raise ValueError(f"hold: {n} states for {len(req_ids)} requests (a decode-only step has one "
+                                 "token per request; pass owners for more)")
+            owners = torch.arange(n)
+        if positions.shape[0] != n or slots.shape[0] != n or owners.shape[0] != n:
+            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots, "
+                             f"{owners.shape[0]} owners")
+        per = torch.bincount(owners.to(torch.int64), minlength=len(req_ids))
+        if not self.accepts(req_ids, int(per.max()) if n else 0):
+            raise RuntimeError("PendingContext.hold: flush first (the batch changed or the buffer is full)")
+        self._per_request = per if self._per_request is None else self._per_request + per
+        self._owners.append(owners.to(torch.int64).clone())
         self.req_ids = tuple(req_ids)
         # Copies: the runner reuses its position and slot buffers on the next step.
         self._states.append(states.clone())
@@ -97,10 +114,10 @@ class PendingContext:
         states, positions, slots = torch.cat(self._states), torch.cat(self._positions), torch.cat(self._slots)
         held = states.shape[0]
         if not bool(keep.all()):
-            mask = keep.repeat(len(self._states))  # one token per request per held step, in batch order
+            mask = keep[torch.cat(self._owners)]
             states, positions, slots = states[mask], positions[mask], slots[mask]
-        self._states, self._positions, self._slots = [], [], []
-        self.req_ids = None
+        self._states, self._positions, self._slots, self._owners = [], [], [], []
+        self.req_ids, self._per_request = None, None
         n = int(states.shape[0])
         self.counts["dropped_tokens"] += held - n
         if n:

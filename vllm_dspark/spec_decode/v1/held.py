@@ -68,11 +68,11 @@ class HeldContext:
         self._lap("held", t1)
         return self._no_drafts(d)
 
-    def _flush_if_due(self, plan: Plan, decode_only: bool, req_ids: list[str], t1: float) -> float:
-        """Store the held context when this step cannot join it (:mod:`.context_kv`): it drafts, it is
-        not decode-only, or its batch changed or the buffer is full. Returns the time after it."""
-        if not self.pending.steps or (plan.mode is PlanMode.SKIP and decode_only
-                                      and self.pending.accepts(req_ids)):
+    def _flush_if_due(self, plan: Plan, holdable: bool, req_ids: list[str], t1: float, tokens: int = 1) -> float:
+        """Store the held context when this step cannot join it (:mod:`.context_kv`): the drafter runs, the
+        step cannot be held (``holdable``: decode-only, or only the copy drafts), or its batch changed or
+        the buffer is full (``tokens``: the most rows a request adds). Returns the time after it."""
+        if not self.pending.steps or (not plan.drafter_runs and holdable and self.pending.accepts(req_ids, tokens)):
             return t1
         self.pending.flush(self._store_context, req_ids)
         return self._lap("context_flush", t1)

@@ -50,14 +50,14 @@ from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, DraftSourc
 from vllm_dspark.spec_decode.common.planner import StepPlanner
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 from vllm_dspark.spec_decode.v1 import step_inputs as SI
-from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
+from vllm_dspark.spec_decode.v1.accepted_context import AcceptedRows, accepted_context, accepted_rows
 from vllm_dspark.spec_decode.v1.context_kv import PendingContext
 from vllm_dspark.spec_decode.v1.held import HeldContext
 from vllm_dspark.spec_decode.v1.layout import lay_out_queries
 from vllm_dspark.spec_decode.v1.overrides import check_couplings
 from vllm_dspark.spec_decode.v1.probe_block import probe_queries
 from vllm_dspark.spec_decode.v1.report import ProposerReport
-from vllm_dspark.spec_decode.v1.sources import pick_rows, request_texts, text_offers, widen
+from vllm_dspark.spec_decode.v1.sources import copy_prior_for, pick_rows, request_texts, text_offers, widen
 from vllm_dspark.spec_decode.v1.step_state import Decision, StepState
 
 logger = logging.getLogger("vllm_dspark")
@@ -88,7 +88,7 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         self.consensus = Consensus()
         # The step's decisions (budget, copy policy, verification rules, counters, drafts awaiting their
         # verdict): torch-free, apart from this adapter.
-        self.planner = StepPlanner(s, self.n_draft, self.consensus.decide)
+        self.planner = StepPlanner(s, self.n_draft, self.consensus.decide, copy_prior_for(s, spec))
         self.stats, self.policy, self.copy_policy = self.planner.stats, self.planner.policy, self.planner.copy_policy
         self.calibrator = self.policy.calibrator
         self.copy_source: CopySource | None = None
@@ -97,12 +97,9 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
                                           shared=s.copy_shared)
         # Sources that draft from the requests' texts, before the plan (the model source drafts after it).
         self.text_sources: list[DraftSource] = [self.copy_source] if self.copy_source is not None else []
-        if s.copy == "auto" and not s.copies:
-            logger.info("vllm_dspark: copy: auto drafts with verification 'budget' only (which weighs the copy "
-                        "against the drafter); with %r the drafter drafts alone", s.verification)
         self.costs: CostModel | None = None
         if s.costs is not None:
-            self.costs = CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']")
+            self.costs = CostModel.from_dict(s.costs, source="speculative_config['dspark']['costs']", given=True)
             self.planner.costs = self.costs
         # Per-source acceptance for /metrics (serving/metrics.py), labelled as vLLM labels its own.
         self.metrics = Publisher(model_name=str(getattr(vllm_config.model_config, "served_model_name", "") or ""))
@@ -115,7 +112,7 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         self._trace_positions: list[int] = []  # the step's anchor positions, per request (the trace's)
         self.pending = PendingContext()
         # A sliding-window KV manager frees blocks behind the window: held slots must stay inside it.
-        self.state = StepState(hold_ok=not s.window or s.window > self.pending.max_steps + 2 * self.block_size)
+        self.state = StepState(hold_ok=not s.window or s.window > self.pending.max_tokens + 2 * self.block_size)
         self._stage: MarkovStage | None = None
         self._stage_src = None  # the weights the stage was built from (rebuilt if the model's change)
         # Seconds per phase, summed over steps (report(): where a step's time goes).
@@ -156,7 +153,16 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         d = self.state.take_decision() or self._decide(num_speculative_tokens, cad, num_rejected_tokens_gpu,
                                                        sampling_metadata, next_token_ids)
         decode_only = int(cad.max_query_len) == 1
-        t = self._flush_if_due(d.plan, decode_only, d.req_ids, d.t1)
+        # A step only the copy drafts from keeps its accepted context rows too, when holding is proven.
+        rows = self._copy_step_rows(d, cad, num_rejected_tokens_gpu, target_hidden_states)
+        holdable = (decode_only and not d.plan.runs) or rows is not None
+        t = self._flush_if_due(d.plan, holdable, d.req_ids, d.t1, 1 if rows is None else rows.most)
+        if rows is not None:
+            self.pending.hold(d.req_ids, target_hidden_states[rows.index], target_positions[rows.index],
+                              cad.slot_mapping[rows.index], rows.owners)
+            self.state.copy_steps_held += 1
+            t = self._lap("held", t)
+            return self._send_copies(d, next_token_ids, t, t)
         if not d.plan.runs and decode_only and self.state.hold_ok:
             self._hold(d.req_ids, target_token_ids, target_hidden_states, target_positions, cad, next_token_ids,
                        token_indices_to_sample, num_rejected_tokens_gpu)
@@ -175,11 +181,7 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
             t = self._lap("context_kv_only", t)
-            if COPY_SOURCE not in d.offers or not any(d.plan.copy_kept):
-                return self._no_drafts(d)
-            kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, None, d.offers[COPY_SOURCE].view())
-            drafts = pick_rows({k: o.drafts for k, o in d.offers.items()}, picks, d.sampled)
-            return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
+            return self._send_copies(d, next_token_ids, t, t_layout)
 
         probed = d.plan.mode is PlanMode.PROBE and len(d.plan.rows) < d.batch and mm_embed_inputs is None
         if probed:  # the probed requests' query blocks alone (their context K/V is stored for all)
@@ -195,6 +197,24 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         conf = model.confidence.cpu().numpy().astype(np.float64)
         kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, conf, offer.view() if offer else None)
         drafts = pick_rows({MODEL_SOURCE: model, **{k: o.drafts for k, o in d.offers.items()}}, picks, d.sampled)
+        return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
+
+    def _copy_step_rows(self, d: Decision, cad, num_rejected, hidden_states) -> AcceptedRows | None:
+        """The accepted context rows of a step only the copy drafts from, when they can be held
+        (:mod:`.context_kv`): holding is proven on this runner, and the step is decode or verify."""
+        st = self.state
+        if not (d.plan.runs and not d.plan.drafter_runs and st.hold_ok and st.hold_checked):
+            return None
+        if int(cad.max_query_len) > self.block + 1:
+            return None  # a prefill chunk in the step
+        return accepted_rows(cad, num_rejected, hidden_states.device)
+
+    def _send_copies(self, d: Decision, next_token_ids, t: float, t_layout: float) -> list[list[int]]:
+        """End a step the drafter did not draft in: what the plan copies, nothing else."""
+        if COPY_SOURCE not in d.offers or not any(d.plan.copy_kept):
+            return self._no_drafts(d)
+        kept, picks = self.planner.allocate(d.plan, d.caps, d.sampled, None, d.offers[COPY_SOURCE].view())
+        drafts = pick_rows({k: o.drafts for k, o in d.offers.items()}, picks, d.sampled)
         return self._record(d, drafts, kept, next_token_ids, t, t_layout, picks)
 
     def _lay_out(self, batch: int, token_ids, positions, hidden_states, next_token_ids, token_indices, cad,
@@ -270,6 +290,8 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
             # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
             self.costs.observe_draft(d.batch, (end - t_layout) * self._draft_time_scale())
             self._check_stale()
+        elif self.costs is not None and not d.plan.drafter_runs:  # the copy's own cost of a step it sends
+            self.costs.observe_source(COPY_SOURCE, d.batch, end - d.t1)
         self.state.last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept, strict=True)]

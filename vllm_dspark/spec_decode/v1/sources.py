@@ -15,15 +15,21 @@ from the source it picked. The decisions are the planner's (``common/planner.py`
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from vllm_dspark.spec_decode.common import copy_prior
+from vllm_dspark.spec_decode.common.copy_prior import CopyPrior
 from vllm_dspark.spec_decode.common.drafts import DraftBatch, Drafts, DraftSource
 from vllm_dspark.spec_decode.common.planner import CopyDrafts
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
+
+logger = logging.getLogger("vllm_dspark")
 
 
 @dataclass(frozen=True)
@@ -117,3 +123,19 @@ def pick_rows(drafts: Mapping[str, Drafts], picks: list[str], sampled: np.ndarra
             if sampled[i]:
                 probs[i].scatter_(-1, tokens[i].to(probs.device)[:, None], 1.0)
     return Drafts(tokens, conf, probs, base.source, base.path)
+
+
+def copy_prior_for(s, spec) -> CopyPrior | None:
+    """The copy's acceptance by match length stored with the drafter, when the copy drafts."""
+    if not s.copies:
+        return None
+    draft_dir = getattr(spec.draft_model_config, "model", None) or getattr(spec, "model", None)
+    prior = copy_prior.load(draft_dir) if draft_dir and Path(str(draft_dir)).is_dir() else None
+    if prior is None:
+        logger.info("vllm_dspark: the drafter has no %s: the copy source starts unproven and probes until its "
+                    "acceptance is measured (training/copy_prior.py writes one)", copy_prior.PRIOR_FILE)
+    else:
+        logger.info("vllm_dspark: copy source from the first step: acceptance by match length from the drafter's "
+                    "%s (%.2f copied tokens accepted per drafting step offline)", copy_prior.PRIOR_FILE,
+                    prior.accepted_per_step())
+    return prior

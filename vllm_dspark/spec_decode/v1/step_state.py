@@ -36,6 +36,7 @@ class StepState:
     hold_checked: bool = False  # the first hold checked the runner's slot layout
     step_marks: int = 0
     before_glue_steps: int = 0
+    copy_steps_held: int = 0  # steps only the copy drafted in whose accepted context rows were held
     rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
     probe_blocks_cut: int = 0  # probes whose block forward ran on the probed requests alone (probe_block)
 

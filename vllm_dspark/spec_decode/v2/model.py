@@ -501,7 +501,7 @@ def build_markov(model: Any, head_proj: dict[str, torch.Tensor]) -> tuple[Markov
 def _build_class():
     from vllm.model_executor.models.qwen3_dspark import Qwen3DSparkForCausalLM
 
-    from vllm_dspark.serving.settings import not_applied_on_v2
+    from vllm_dspark.serving.settings import ATTR, not_applied_on_v2, settings_of
     from vllm_dspark.spec_decode.common.draft_keys import check_v2_head, expose_dspark_keys
 
     class DSparkV2DraftModel(Qwen3DSparkForCausalLM):
@@ -517,7 +517,8 @@ def _build_class():
             self._markov: MarkovWeights | None = None
             self._markov_reason: str | None = "weights not loaded yet"
             self._decision: tuple[int, bool] | None = None
-            ignored = not_applied_on_v2()
+            raw = getattr(hf_config, ATTR, None)
+            ignored = not_applied_on_v2(copy=None if raw is None else settings_of(hf_config).copy)
             if ignored:
                 logger.warning("vllm_dspark: %s", ignored)
 
