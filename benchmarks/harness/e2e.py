@@ -196,11 +196,14 @@ def _inputs(prompts: list) -> list:
 
 
 def _cells(datasets: dict[str, list], temperatures, concurrencies, prompts_per_cell):
-    """(dataset, temperature, concurrency, prompts) of every cell, in the order both runners measure."""
+    """(dataset, temperature, concurrency, prompts) of every cell, in the order both runners measure. A set
+    smaller than its cell repeats (a queue of 4 x 32 requests from the 16 copy-heavy prompts), alike for
+    every configuration."""
     for ds, prompts in datasets.items():
         for temp in temperatures:
             for c in concurrencies:
-                yield ds, temp, c, (prompts[: prompts_per_cell(c)] if prompts_per_cell else prompts)
+                n = prompts_per_cell(c) if prompts_per_cell else len(prompts)
+                yield ds, temp, c, (prompts * -(-n // max(1, len(prompts))))[:n]
 
 
 def _params(max_tokens: int, temp: float, ignore_eos: bool = False):

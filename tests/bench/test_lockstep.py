@@ -140,3 +140,11 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     shared = [m for m in logs if "target weights" in m]
     assert len(shared) == 6 and all(int(m.split("(")[1].split()[0]) > 10 for m in shared), shared
     assert by["fixed-3"]["lockstep"]["shared_weights"] is True
+
+
+def test_a_set_smaller_than_its_cell_repeats_and_a_larger_one_is_cut():
+    from benchmarks.harness.e2e import _cells
+
+    cells = list(_cells({"copy": ["a", "b", "c"]}, [0.0], [1, 2], lambda c: 4 * c))
+    assert [(c, p) for _, _, c, p in cells] == [(1, ["a", "b", "c", "a"]), (2, ["a", "b", "c", "a", "b", "c", "a", "b"])]
+    assert list(_cells({"chat": list("abcdef")}, [0.0], [1], lambda c: 2))[0][3] == ["a", "b"]

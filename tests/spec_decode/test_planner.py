@@ -149,13 +149,15 @@ def test_with_a_prior_a_long_match_is_copied_from_the_first_step():
     """n-gram's eagerness where the copy's measured acceptance pays: no probe, no wait."""
     conf = np.array([[0.95] * N, [0.35] * N], np.float32)  # a long match; a 2-token match
     copy = CopyDrafts(conf, [N, N])
-    eager = StepPlanner(settings(copy="auto"), N, lambda fn: fn(), _prior({9: 0.99, 3: 0.02}))
+    quiet = settings(copy="auto", probe_tokens=0)  # no probes: the unproven drafter skips every step
+    eager = StepPlanner(quiet, N, lambda fn: fn(), _prior({9: 0.99, 3: 0.02}))
     eager.costs = C.CostModel(verify=[(1, 0.03), (256, 0.03 + 255 * 0.002)], draft=[(1, 0.01), (64, 0.02)])
     plan = eager.plan([N, N], np.zeros(2, bool), copy)
-    assert plan.copy_mode is PlanMode.DRAFT and plan.copy_kept[0] == N and plan.copy_kept[1] == 0
-    unproven = StepPlanner(settings(copy="auto"), N, lambda fn: fn())
+    assert plan.mode is PlanMode.SKIP and plan.sources == (COPY_SOURCE,)
+    assert plan.copy_mode is PlanMode.DRAFT and plan.copy_kept == (N, 0)  # the long match only
+    unproven = StepPlanner(quiet, N, lambda fn: fn())
     unproven.costs = eager.costs
-    assert unproven.plan([N, N], np.zeros(2, bool), copy).copy_mode is not PlanMode.DRAFT
+    assert unproven.plan([N, N], np.zeros(2, bool), copy).copy_kept == ()  # nothing before it is measured
 
 
 @pytest.mark.parametrize("rule", ["threshold", "product", "fixed"])

@@ -56,8 +56,7 @@ class CopyPolicy:
         if prior is not None:  # greedy acceptance measured offline (copy_prior.py); sampled starts pessimistic
             self.calibrator.seed(prior.hits, prior.counts, prior.pred)
         self.rhythm = ProbeRhythm(policy.trust.probe_period, policy.trust.probe_max_period)  # its own
-        self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only",
-                                       "probes_outranked"), 0)
+        self.counters = dict.fromkeys(("probes", "probes_accepted", "steps_sent", "steps_copy_only"), 0)
 
     # -------------------------------------------------------------- evidence
     def feedback(self, kind: PlanMode, results: Sequence[Feedback]) -> None:
@@ -140,8 +139,6 @@ class CopyPolicy:
         surv = self.survival(conf, lengths, sampled)
         if model.mode is PlanMode.DRAFT:
             return self._with_drafting(model, conf, surv, lengths, caps, drafter_caps, sampled)
-        if model.mode is PlanMode.PROBE:
-            model = self._outrank_probe(model, surv, caps)
         free = np.ones(r, dtype=bool)
         extra = 0
         if model.mode is PlanMode.PROBE:
@@ -156,18 +153,6 @@ class CopyPolicy:
             return model
         self.counters["steps_sent"] += 1
         return Plan(model.mode, model.rows, model.tokens, (*(model.sources or ()), COPY_SOURCE), tuple(kept), mode)
-
-    def _outrank_probe(self, model: Plan, surv: np.ndarray, caps: Sequence[int]) -> Plan:
-        """The drafter's probe without the requests whose copy its calibration admits on its own: probes
-        are for the unproven drafter, and a proven copy (a long match, believed from the prior) is worth
-        more on that row than a probe's couple of drafts. No probe row left: the drafter skips."""
-        assert self.policy.costs is not None
-        admitted = allocate(surv, caps, self.policy.costs, source_cost=self.cost(len(caps))).kept
-        rows = tuple(i for i in model.rows if not admitted[i])
-        if len(rows) == len(model.rows):
-            return model
-        self.counters["probes_outranked"] += 1
-        return Plan(PlanMode.PROBE, rows, model.tokens) if rows else Plan(PlanMode.SKIP)
 
     def _with_drafting(self, model: Plan, conf: np.ndarray, surv: np.ndarray, lengths: Sequence[int],
                        caps: Sequence[int], drafter_caps: Sequence[int], sampled: np.ndarray) -> Plan:
