@@ -146,5 +146,5 @@ def test_a_set_smaller_than_its_cell_repeats_and_a_larger_one_is_cut():
     from benchmarks.harness.e2e import _cells
 
     cells = list(_cells({"copy": ["a", "b", "c"]}, [0.0], [1, 2], lambda c: 4 * c))
-    assert [(c, p) for _, _, c, p in cells] == [(1, ["a", "b", "c", "a"]), (2, ["a", "b", "c", "a", "b", "c", "a", "b"])]
+    assert [(c, "".join(p)) for _, _, c, p in cells] == [(1, "abca"), (2, "abcabcab")]
     assert list(_cells({"chat": list("abcdef")}, [0.0], [1], lambda c: 2))[0][3] == ["a", "b"]
