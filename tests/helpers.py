@@ -214,14 +214,15 @@ def family_draft(pair: dict, root: Path, layout: str, *, shift: int = 0, backbon
 
 def greedy_fixed_run(target: str, draft: Path, prompts: list[list[int]], trace: Path | None = None
                      ) -> tuple[list[list[int]], dict]:
-    """Greedy answers of ``target`` with ``draft`` verifying every draft (``verification: fixed``), and
-    vLLM's acceptance summary: (tokens per prompt, summary). ``trace``: the proposer's trace file."""
+    """Greedy answers of ``target`` with ``draft`` verifying every draft (``verification: fixed``, the copy
+    off: the drafter's own acceptance), and vLLM's acceptance summary: (tokens per prompt, summary).
+    ``trace``: the proposer's trace file."""
     from vllm import SamplingParams
 
     from benchmarks.harness.engine import acceptance_summary, llm_engine, spec_metrics
 
     spec = {"method": "dspark", "model": str(draft),
-            "dspark": {"verification": "fixed", **({"trace": str(trace)} if trace else {})}}
+            "dspark": {"verification": "fixed", "copy": "off", **({"trace": str(trace)} if trace else {})}}
     with llm_engine(target, speculative_config=spec) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))

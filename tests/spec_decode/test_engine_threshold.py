@@ -49,8 +49,10 @@ def runs(llama_pair, tmp_path_factory):
         baseline = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
     trace = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     spec = {"method": "dspark", "model": llama_pair["draft"], "num_speculative_tokens": N}
+    # The threshold rule on the drafter's confidences alone (the copy, on by default, has its own tests).
     with llm_engine(llama_pair["target"], speculative_config=spec,
-                    env={"VLLM_DSPARK_TRACE": str(trace), "VLLM_DSPARK_CONFIDENCE_THRESHOLD": str(THRESHOLD)}) as llm:
+                    env={"VLLM_DSPARK_TRACE": str(trace), "VLLM_DSPARK_CONFIDENCE_THRESHOLD": str(THRESHOLD),
+                         "VLLM_DSPARK_COPY": "off"}) as llm:
         got = [list(o.outputs[0].token_ids) for o in llm.generate(reqs, params)]
         metrics = spec_metrics(llm)
     return prompts, baseline, got, metrics, read_trace(trace)

@@ -144,7 +144,7 @@ def cost_table(value: Any, name: str, source: str) -> dict:
         raise DSparkSettingsError(f"{name} ({source}): expected {{'verify': [[tokens, seconds], ...], "
                                   "'draft': [[requests, seconds], ...]} and optionally 'sources': "
                                   "{'copy': [[requests, seconds], ...]}")
-    out = {k: [[float(a), float(b)] for a, b in value[k]] for k in ("verify", "draft")}
+    out: dict[str, Any] = {k: [[float(a), float(b)] for a, b in value[k]] for k in ("verify", "draft")}
     if sources:
         out["sources"] = {str(k): [[float(a), float(b)] for a, b in v] for k, v in sources.items()}
     return out

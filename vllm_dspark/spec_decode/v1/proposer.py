@@ -279,19 +279,22 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         self.planner.record(d.req_ids, d.plan, d.cap, kept, picks, conf_l, d.sampled)
         if drafts.probs is not None:
             self._last_draft_probs = drafts.probs
+        end = time.perf_counter()  # before the trace: a diagnostic, not a cost the budget should learn
+        self.timings["verify"] += end - t
         if self.settings.trace_path:
             SI.write_trace(self.settings.trace_path, SI.draft_records(
                 self.planner.step, str(self.planner.sent_kind), d.req_ids, self._trace_positions,
                 next_token_ids[:d.batch].tolist(), tok_l, conf_l, kept, d.sampled, picks, self.settings,
                 self.markov_stage.last_path))
-        end = time.perf_counter()
-        self.timings["verify"] += end - t
         if self.costs is not None and d.plan.mode is PlanMode.DRAFT and d.plan.drafter_runs:
             # What the profile's draft point measures: block forward, LM head, sequential stage, choice.
             self.costs.observe_draft(d.batch, (end - t_layout) * self._draft_time_scale())
             self._check_stale()
         elif self.costs is not None and not d.plan.drafter_runs:  # the copy's own cost of a step it sends
             self.costs.observe_source(COPY_SOURCE, d.batch, end - d.t1)
+        if not d.plan.drafter_runs:
+            self.state.copy_only_steps += 1
+            self.state.copy_only_s += end - d.t0
         self.state.last_end = end
         self._maybe_log()
         return [row[:k] for row, k in zip(tok_l, kept, strict=True)]
@@ -328,7 +331,7 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
         plan = self.planner.plan(caps, sampled, copy.view() if copy else None)
         t1 = time.perf_counter()
         self.timings["feedback"] += t1 - t0
-        return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offers)
+        return Decision(t1, batch, req_ids, cap, caps, sampled, plan, offers, t0)
 
 
 

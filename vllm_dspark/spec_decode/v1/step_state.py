@@ -22,6 +22,7 @@ class Decision:
     sampled: np.ndarray  # [batch] bool
     plan: Plan
     offers: dict[str, Offer] = field(default_factory=dict)  # the text sources' drafts, by source (copy: auto)
+    t0: float = 0.0  # the step's propose began (feedback, offers and plan are timed from here)
 
 
 @dataclass
@@ -37,6 +38,8 @@ class StepState:
     step_marks: int = 0
     before_glue_steps: int = 0
     copy_steps_held: int = 0  # steps only the copy drafted in whose accepted context rows were held
+    copy_only_steps: int = 0  # steps only the copy drafted in, and the proposer's seconds on them (item 4's
+    copy_only_s: float = 0.0  # measure: what a copy step costs beside the target's verify)
     rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
     probe_blocks_cut: int = 0  # probes whose block forward ran on the probed requests alone (probe_block)
 
