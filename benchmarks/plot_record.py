@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Draw a benchmark record's plots again from its ``results.json`` (no engine, no model).
 
-    .venv/bin/python benchmarks/plot_record.py docs/benchmarks/copy-e2e-float32
+    .venv/bin/python benchmarks/plot_record.py docs/benchmarks/copy-default-bf16
     .venv/bin/python benchmarks/plot_record.py --all
 
 Records keep their numbers, not their pictures: PNGs are not committed (they

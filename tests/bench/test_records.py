@@ -53,7 +53,7 @@ def test_each_record_is_a_report_and_a_small_results_file(record):
 
 
 @pytest.mark.parametrize("record, plots", [
-    ("copy-e2e-float32", {"speedup.png", "acceptance_per_position.png", "step_breakdown.png"}),
+    ("copy-default-bf16", {"speedup.png", "acceptance_per_position.png", "step_breakdown.png"}),
     ("step-cost-floor-in-pair", {"step_time.png", "ratio_to_floor.png", "phases.png"}),
     ("load-test", {"latency.png"}),
     ("long-context", {"acceptance_vs_context.png"}),

@@ -2,13 +2,14 @@
 
 Without it the copy's calibrator starts from the pessimistic prior every source starts from: no
 copy is sent before probes have measured some, and 151 of 196 steps on copy-heavy requests sent
-none (``docs/benchmarks/copy-e2e-float32``). n-gram drafts every match from the first step. The
-prior makes the copy as eager where its matches are as good: :func:`measure` replays greedy answers
-as served with the copy drafting at every step (the index over the prompt and the answer so far,
-the drafts verified against what the target wrote, the step advancing by what was accepted) and
-counts, per draft position and per confidence bin (a match-length class, ``match_confidence``), what
-the copy's calibrator would have counted. :meth:`Calibrator.seed` starts from those rates, weighed
-as a few dozen observations, and online evidence takes over.
+none (the record ``docs/benchmarks/copy-e2e-float32``, in git's history). n-gram drafts every
+match from the first step. The prior makes the copy as eager where its matches are as good:
+:func:`measure` replays greedy answers as served with the copy drafting at every step (the index
+over the prompt and the answer so far, the drafts verified against what the target wrote, the step
+advancing by what was accepted) and counts, per draft position and per confidence bin (a
+match-length class, ``match_confidence``), what the copy's calibrator would have counted.
+:meth:`Calibrator.seed` starts from those rates, weighed as a few dozen observations, and online
+evidence takes over.
 
 The file (``copy_prior.json`` beside the drafter's ``config.json``) is a property of the target's
 text, measured on the answers the drafter was evaluated on (``training/copy_prior.py`` writes it).
