@@ -98,13 +98,14 @@ def standard_configs(pair: Pair, block: int = 7) -> list[EngineConfig]:
 def draft_vocab_configs(pair: Pair, block: int = 7, sizes=(4096, 8192, 16384, 32768)) -> list[EngineConfig]:
     """Issue 31's comparison: the serve-time draft vocabulary at each size against the full one, every
     draft verified (the acceptance a smaller vocabulary costs), and the budget's default (``draft_vocab:
-    auto``) beside the budget over the full vocabulary."""
+    auto``) beside the budget over the full vocabulary; the drafter alone (``copy: off``)."""
     out = [EngineConfig("no-spec"),
-           EngineConfig("fixed-full", dspark_spec(pair.draft, block, verification="fixed", draft_vocab="off"))]
-    out += [EngineConfig(f"fixed-v{n}", dspark_spec(pair.draft, block, verification="fixed", draft_vocab=n))
+           EngineConfig("fixed-full", dspark_spec(pair.draft, block, verification="fixed", draft_vocab="off",
+                                                  copy="off"))]
+    out += [EngineConfig(f"fixed-v{n}", dspark_spec(pair.draft, block, verification="fixed", draft_vocab=n, copy="off"))
             for n in sizes]
-    out += [EngineConfig("dspark-full", dspark_spec(pair.draft, block, draft_vocab="off")),
-            EngineConfig("dspark", dspark_spec(pair.draft, block))]
+    out += [EngineConfig("dspark-full", dspark_spec(pair.draft, block, draft_vocab="off", copy="off")),
+            EngineConfig("dspark", dspark_spec(pair.draft, block, copy="off"))]
     return out
 
 
@@ -120,15 +121,16 @@ def never_lose_configs(pair: Pair, never_accepted: str, block: int = 7) -> list[
 
 def verification_configs(pair: Pair, block: int = 7, product: float = 0.3, threshold: float = 0.5
                          ) -> list[EngineConfig]:
-    """Issue 10's comparison: fixed lengths, the two threshold rules, budgeted verification."""
+    """Issue 10's comparison: fixed lengths, the two threshold rules, budgeted verification, on the drafter's
+    drafts alone (``copy: off``)."""
     out = [EngineConfig("no-spec")]
     for k in (1, 3, block):
-        out.append(EngineConfig(f"fixed-{k}", dspark_spec(pair.draft, k, verification="fixed")))
+        out.append(EngineConfig(f"fixed-{k}", dspark_spec(pair.draft, k, verification="fixed", copy="off")))
     out += [EngineConfig(f"product-{product:g}", dspark_spec(pair.draft, block, verification="product",
-                                                             threshold=product)),
+                                                             threshold=product, copy="off")),
             EngineConfig(f"threshold-{threshold:g}", dspark_spec(pair.draft, block, verification="threshold",
-                                                                 threshold=threshold)),
-            EngineConfig("budget", dspark_spec(pair.draft, block, verification="budget"))]
+                                                                 threshold=threshold, copy="off")),
+            EngineConfig("budget", dspark_spec(pair.draft, block, verification="budget", copy="off"))]
     return out
 
 

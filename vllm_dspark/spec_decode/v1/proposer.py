@@ -7,14 +7,15 @@ step (``propose``):
 1. **Feedback.** The verify step that just ran tells how many of each
    request's previous drafts were accepted (``num_rejected_tokens_gpu``); that
    feeds the confidence calibrator, the counters and the trace. Its duration
-   corrects the cost model.
+   corrects the cost model. The text sources (the copy, on by default) draft
+   from each request's text, and the planner plans with them (:mod:`.sources`).
 2. **Layout.** Anchor-first: ``block_size`` queries ``[anchor, mask x (B-1)]``
    at positions ``p..p+B-1``, every row sampled (B drafts, the target verifies
    up to 1 + B tokens). ``one_plus_n`` checkpoints keep upstream's 1 + N layout.
 3. **Block forward** (skipped on steps the budget forecast says will not pay:
    every request decodes plainly, and the step's target states are held in
    :mod:`.context_kv` until the drafter next runs, then stored in one call,
-   so the drafter's cache stays complete).
+   so the drafter's cache stays complete; copy-only steps' accepted rows too).
 4. **Sequential stage.** Greedy requests draft through the Markov draft op;
    requests with temperature > 0 draft by sampling their Markov-corrected,
    top-k/top-p-filtered distribution (``draft_sampling: auto``), whose
@@ -22,7 +23,8 @@ step (``propose``):
 5. **Verification.** How many drafts each request sends to the target:
    ``budget`` (survival-ranked slots admitted while they pay for their verify
    cost, :mod:`.budget`), ``threshold`` (the DSpark reference rule),
-   ``product`` (the project's earlier rule) or ``fixed``; requests past
+   ``product`` (the project's earlier rule) or ``fixed``, and which source each
+   request's drafts come from (:func:`.sources.pick_rows`); requests past
    ``max_draft_context`` get none.
 
 Every overridden upstream method and every upstream helper called is listed,
