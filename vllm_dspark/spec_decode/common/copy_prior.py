@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from vllm_dspark.spec_decode.common.calibration import Calibrator
 from vllm_dspark.spec_decode.common.suffix_index import SuffixIndex, match_confidence
 
 PRIOR_FILE = "copy_prior.json"
@@ -59,7 +60,7 @@ class CopyPrior:
     def to_dict(self) -> dict:
         return {"format": FORMAT, "min_match": self.min_match, "max_match": self.max_match,
                 "hits": self.hits.tolist(), "counts": self.counts.tolist(), "pred": self.pred.tolist(),
-                "accepted_per_step": round(self.accepted_per_step(), 4), **{"meta": self.meta}}
+                "accepted_per_step": round(self.accepted_per_step(), 4), "meta": self.meta}
 
     def save(self, path: str | Path) -> None:
         """Write atomically (a half-written prior would refuse to load)."""
@@ -94,7 +95,9 @@ def measure(texts: Iterable[tuple[Sequence[int], Sequence[tuple[int, int]]]], po
             min_match: int = 2, max_match: int = 8, bins: int = 10) -> CopyPrior:
     """Replay each text's answers (``[start, end)`` spans of its tokens, each written greedily by the
     target after what precedes it) with the copy drafting up to ``positions`` tokens at every step."""
-    hits, counts, pred = (np.zeros((positions, bins)) for _ in range(3))
+    # Counted by the copy's own calibrator (greedy mode, nothing faded), so the prior holds exactly what
+    # serving would have counted.
+    cal = Calibrator(positions, bins=bins, memory=0)
     steps = answers = 0
     for tokens, spans in texts:
         tokens = [int(t) for t in tokens]
@@ -113,14 +116,9 @@ def measure(texts: Iterable[tuple[Sequence[int], Sequence[tuple[int, int]]]], po
                     truth = tokens[t + 1: end]
                     while accepted < min(len(got), len(truth)) and got[accepted] == truth[accepted]:
                         accepted += 1
-                    conf = match_confidence(match)
-                    b = min(bins - 1, int(conf * bins))
-                    last = min(accepted, len(got) - 1)
-                    counts[: last + 1, b] += 1
-                    pred[: last + 1, b] += conf
-                    hits[:accepted, b] += 1
+                    cal.observe([match_confidence(match)] * len(got), len(got), accepted, False)
                 step = min(accepted + 1, end - 1 - t)  # the accepted drafts and the target's own token
                 idx.extend(tokens[t + 1: t + 1 + step])
                 t += step
     meta = {"answers": answers, "drafting_steps": steps}
-    return CopyPrior(hits, counts, pred, min_match, max_match, meta)
+    return CopyPrior(cal.total_hits[0], cal.total_counts[0], cal.total_pred[0], min_match, max_match, meta)
