@@ -9,8 +9,8 @@ were half of ``docs/benchmarks``, several versions of each). The plots are
 written next to the record's ``report.md``, with the same code that drew them
 when the benchmark ran. The kind of record is told by its results' shape:
 
-- ``bench_e2e.py``: ``rows`` of configurations and cells;
-- ``bench_step_cost.py``: ``dtypes`` with their ``analysis``;
+- ``bench_e2e.py``: ``rows`` of configurations and cells (``harness/e2e_report.py``);
+- ``bench_step_cost.py``: ``dtypes`` with their ``analysis`` (``harness/step_cost_plots.py``);
 - ``load_test.py``: the servers' ``summaries``;
 - ``bench_long_context.py``: ``rows`` with a ``kv_probe``.
 
@@ -56,10 +56,12 @@ def plot_record(record: Path) -> list[str]:
     results = json.loads(path.read_text())
     kind = kind_of(results)
     if kind == "e2e":
-        e2e = _script("bench_e2e")
-        return e2e.plots(e2e.report_rows(results["rows"]), record)
+        from benchmarks.harness.e2e_report import plots, report_rows
+
+        return plots(report_rows(results["rows"]), record)
     if kind == "step-cost":
-        from benchmarks.harness.step_cost_report import int_keys, plots
+        from benchmarks.harness.step_cost_plots import plots
+        from benchmarks.harness.step_cost_report import int_keys
 
         return plots(json.loads(path.read_text(), object_hook=int_keys), record)
     if kind == "load-test":

@@ -1,10 +1,9 @@
-"""What the step-cost benchmark's two kinds of worker share: the engine's (:mod:`.step_cost`) and the floor's
+"""What the step-cost benchmark's two kinds of cell share: the engines' (:mod:`.step_engine`) and the floor's
 (:mod:`.step_floor`).
 
 A worker's spec, the loop that runs a cell until it has enough counted steps, the mean over a
 cell's typical steps, its random prompts and the profiler's operator classes. Both modules import
-this one and it imports neither: :mod:`.step_cost` starts the floor's worker, so the floor cannot
-import it back.
+this one and it imports neither: the worker process (:mod:`.step_worker`) builds both.
 """
 
 from __future__ import annotations
@@ -17,17 +16,15 @@ from collections.abc import Callable, Sequence
 
 @dataclasses.dataclass
 class EngineSpec:
-    kind: str  # "plain" | "spec" | "floor"
+    kind: str  # "pair" (the worker process), or the part it builds: "plain" | "spec" | "floor"
     target: str
     draft: str | None
     dtype: str
     max_num_seqs: int = 32
     max_model_len: int = 2048
-    kv_space_gib: int = 4
-    threads: int | None = None
-    # kind "pair": the plain and the speculative engine in one process, built in this order, the
-    # second reading the first's target weights (PairServer).
-    order: tuple[str, ...] = ("plain", "spec")
+    # The order the worker builds its three parts in: the first engine owns the target's weights and
+    # the second reads them (PairServer); builds rotate it.
+    order: tuple[str, ...] = ("plain", "spec", "floor")
 
 
 def run_until(step: Callable[[], float], min_seconds: float, min_steps: int, max_steps: int) -> int:

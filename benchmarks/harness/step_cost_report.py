@@ -1,11 +1,11 @@
-"""The step-cost record from its measurements: the analysis, ``report.md`` and the plots.
+"""The step-cost record from its measurements: the analysis and ``report.md`` (the plots: :mod:`.step_cost_plots`).
 
-Split from ``benchmarks/bench_step_cost.py``, which measures (see its docstring for
-what is timed and how). The run's cells are analysed here, and the record keeps
-the analysis and a digest of the cells (:func:`slim`), not the cells' step times.
-Everything else reads only that ``results.json``, so a record's report and plots
-can be made again from it (``bench_step_cost.py --render-only --out DIR``), and
-the tests do exactly that for the committed record.
+:mod:`.step_cost` measures (see its docstring for what is timed and how). The run's cells
+are analysed here, and the record keeps the analysis and a digest of the cells
+(:func:`slim`), not the cells' step times. Everything else reads only that
+``results.json``, so a record's report and plots can be made again from it
+(``bench_step_cost.py --render-only --out DIR``), and the tests do exactly that for the
+committed record.
 """
 
 from __future__ import annotations
@@ -14,10 +14,9 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 
-PHASES = ("scheduler", "input_prep", "forward", "logits", "sampler", "rejection_sampler", "drafter", "draft_glue",
-          "bookkeeping", "sample_other", "engine_other")
 # The proposer's phases; the dotted names are parts of the phase before them (proposer.PARTS).
 DRAFTER_PARTS = ("feedback", "layout", "context_kv_only", "block_forward", "block.metadata", "block.context_kv",
                  "markov_stage", "stage.lm_head", "stage.confidence", "stage.markov_op", "stage.sampled", "verify")
@@ -25,6 +24,59 @@ DRAFTER_PARTS = ("feedback", "layout", "context_kv_only", "block_forward", "bloc
 # timed forward), everything else from the timers.
 COMBINED = ("gemm", "attention", "rope", "norms_elementwise", "aux_capture", "forward_python", "logits", "sampler",
             "rejection_sampler", "drafter", "draft_glue", "input_prep", "scheduler", "other")
+
+
+def summarize(values: Sequence[float]) -> dict:
+    """Median, min, max and count of a list of numbers (a cell's repeats, or a cell's steps)."""
+    v = [float(x) for x in values if x is not None and not math.isnan(float(x))]
+    if not v:
+        return {"median": float("nan"), "min": float("nan"), "max": float("nan"), "n": 0}
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "n": len(v)}
+
+
+def ratio_summary(num: Sequence[float], den: Sequence[float]) -> dict:
+    """Ratio of two cells measured in the same repeats: median of the per-repeat ratios and their spread.
+
+    Pairing repeat i of the numerator with repeat i of the denominator keeps a slow
+    period of the machine from moving only one side.
+    """
+    pairs = [a / b for a, b in zip(num, den) if a is not None and b and not math.isnan(a) and not math.isnan(b)]
+    return summarize(pairs)
+
+
+def spread_allows(summary: dict | None, goal: float) -> str:
+    """Whether a ratio goal (``<= goal``) is met given the spread: "met", "missed" or "within noise"."""
+    if not summary or summary.get("n", 0) == 0 or math.isnan(summary["median"]):
+        return "not measured"
+    if summary["max"] <= goal:
+        return "met"
+    if summary["min"] > goal:
+        return "missed"
+    return "within noise"
+
+
+def position_bias(step_s: Sequence[float]) -> float:
+    """A lockstep cell's median step in even rounds over its median in odd rounds (its first step left out).
+
+    The group's order reverses every round, so an end cell follows itself every
+    other round and a middle cell never does. Near 1 when a step does not depend on
+    which cell ran before it.
+    """
+    even, odd = step_s[2::2], step_s[1::2]
+    if not even or not odd:
+        return float("nan")
+    return statistics.median(even) / statistics.median(odd)
+
+
+def linear_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of ys on xs (0 for fewer than two points)."""
+    pts = [(float(x), float(y)) for x, y in zip(xs, ys) if y is not None and not math.isnan(float(y))]
+    if len(pts) < 2:
+        return 0.0
+    mx = sum(p[0] for p in pts) / len(pts)
+    my = sum(p[1] for p in pts) / len(pts)
+    den = sum((p[0] - mx) ** 2 for p in pts)
+    return sum((p[0] - mx) * (p[1] - my) for p in pts) / den if den else 0.0
 
 
 def _per_repeat(cells: list[dict], kind: str, batch: int, x: int, field: str = "median_s") -> list[float]:
@@ -80,8 +132,6 @@ def combined_phases(timer: dict, ops: dict | None) -> dict:
 
 
 def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
-    from benchmarks.harness import step_cost as S
-
     cells = rec["cells"]
     qs = sorted({c["x"] for c in cells if c["kind"] == "floor"})
     profs = {(p["kind"], p["batch"], p.get("k", p.get("q"))): p["ops"] for p in rec.get("profiles", [])}
@@ -90,15 +140,13 @@ def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
         plain = _per_repeat(cells, "plain", b, 0)
         plain_model = _per_repeat(cells, "plain", b, 0, "model_s")
         floor = {q: _per_repeat(cells, "floor", b, q) for q in qs}
-        hf = {q: _per_repeat(cells, "hf", b, q) for q in (1, 8) if any(c["kind"] == "hf" for c in cells)}
         flin = {q: _per_repeat(cells, "floor_linear", b, q) for q in (1, 8)
                 if any(c["kind"] == "floor_linear" for c in cells)}
-        row: dict = {"plain_s": S.summarize(plain), "plain_model_s": S.summarize(plain_model),
-                     "floor_s": {q: S.summarize(v) for q, v in floor.items()},
-                     "hf_s": {q: S.summarize(v) for q, v in hf.items()},
-                     "floor_linear_s": {q: S.summarize(v) for q, v in flin.items()},
-                     "plain_vs_floor": S.ratio_summary(plain, floor.get(1, [])),
-                     "plain_model_vs_floor": S.ratio_summary(plain_model, floor.get(1, [])),
+        row: dict = {"plain_s": summarize(plain), "plain_model_s": summarize(plain_model),
+                     "floor_s": {q: summarize(v) for q, v in floor.items()},
+                     "floor_linear_s": {q: summarize(v) for q, v in flin.items()},
+                     "plain_vs_floor": ratio_summary(plain, floor.get(1, [])),
+                     "plain_model_vs_floor": ratio_summary(plain_model, floor.get(1, [])),
                      "spec": {}}
         for k in ks:
             st = _per_repeat(cells, "spec", b, k)
@@ -107,10 +155,10 @@ def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
             fl = floor.get(1 + k, [])
             sel = [c for c in cells if c["kind"] == "spec" and c["batch"] == b and c["x"] == k]
             row["spec"][k] = {
-                "step_s": S.summarize(st), "target_s": S.summarize(tg), "model_s": S.summarize(md),
-                "step_vs_plain": S.ratio_summary(st, plain), "target_vs_plain": S.ratio_summary(tg, plain),
-                "step_vs_floor": S.ratio_summary(st, fl), "target_vs_floor": S.ratio_summary(tg, fl),
-                "model_vs_floor": S.ratio_summary(md, fl),
+                "step_s": summarize(st), "target_s": summarize(tg), "model_s": summarize(md),
+                "step_vs_plain": ratio_summary(st, plain), "target_vs_plain": ratio_summary(tg, plain),
+                "step_vs_floor": ratio_summary(st, fl), "target_vs_floor": ratio_summary(tg, fl),
+                "model_vs_floor": ratio_summary(md, fl),
                 "timer_phases_s": _median_dict([c["phases_mean_s"] for c in sel]),
                 "drafter_parts_s": {p: v for p, v in _median_dict([c["timers_mean_s"] for c in sel]).items()
                                     if p.startswith("drafter.")},
@@ -133,9 +181,9 @@ def analyse(rec: dict, batches: list[int], ks: list[int]) -> dict:
         vk = [k for k in ks if k >= 1]
         if len(vk) >= 2:
             row["growth_per_draft_s"] = {
-                p: S.linear_slope(vk, [row["spec"][k]["phases_s"].get(p, float("nan")) for k in vk])
+                p: linear_slope(vk, [row["spec"][k]["phases_s"].get(p, float("nan")) for k in vk])
                 for p in (*COMBINED, "step")}
-            row["growth_per_draft_s"]["floor"] = S.linear_slope(
+            row["growth_per_draft_s"]["floor"] = linear_slope(
                 vk, [row["floor_s"].get(1 + k, {}).get("median", float("nan")) for k in vk])
         out[b] = row
     prof: dict = {}
@@ -163,11 +211,9 @@ def rx(s: dict | None) -> str:
 def cells_digest(cells: list[dict]) -> dict:
     """What the report reads of the cells besides the analysis, for a record that keeps no cells:
     each cell's share of other processes' CPU, and each lockstep cell's position bias."""
-    from benchmarks.harness import step_cost as S
-
     return {"foreign_cpu_share": [[c["kind"], c["batch"], c["x"], c["repeat"], c.get("foreign_cpu_share", 0.0)]
                                   for c in cells],
-            "position_bias": [[c["batch"], c["kind"], c["x"], S.position_bias(c["step_s"])]
+            "position_bias": [[c["batch"], c["kind"], c["x"], position_bias(c["step_s"])]
                               for c in cells if c.get("lockstep_rounds")]}
 
 
@@ -197,8 +243,6 @@ def lockstep_position_lines(biases: list[list], a: dict) -> list[str]:
 
 
 def report(result: dict) -> str:
-    from benchmarks.harness import step_cost as S
-
     m = result["machine"]
     a = result["args"]
     cpu = m.get("cpu", {})
@@ -216,10 +260,8 @@ def report(result: dict) -> str:
          f"repeats" + (f" in each of {a['builds']} builds (workers started anew, rotated order)"
                        if a.get("builds", 1) > 1 else "")
          + "; value = median step of a cell; shown as median [min-max] over repeats. "
-         + ("**Lockstep**: each speculative cell stepped in turn with the floor at its tokens per request "
-            "(the no-draft cell also with the plain decode cell), one step each per round. " if a.get("lockstep")
-            else "")
-         + 
+         + "**Lockstep**: each speculative cell stepped in turn with the floor at its tokens per request "
+         "(the no-draft cell also with the plain decode cell), one step each per round. "
          f"Prompts {a['prompt_len']} tokens (random ids, distinct per request); floor cache {a['floor_context']} "
          f"tokens.",
          "- Measured: " + "; ".join(f"{dt} at {d.get('measured_at')} ({d.get('seconds', 0) / 60:.1f} min)"
@@ -264,9 +306,9 @@ def report(result: dict) -> str:
             kmax = max(row["spec"]) if row["spec"] else 0
             s7 = row["spec"].get(kmax, {}) if kmax else {}  # a run without k > 0 has no verify step
             L.append(f"- batch {b}: no-draft step <= 1.03x plain: "
-                     f"**{S.spread_allows(s0.get('step_vs_plain'), 1.03)}** ({rx(s0.get('step_vs_plain'))}); "
+                     f"**{spread_allows(s0.get('step_vs_plain'), 1.03)}** ({rx(s0.get('step_vs_plain'))}); "
                      f"verify-8 target step <= 1.1x floor(8): "
-                     f"**{S.spread_allows(s7.get('target_vs_floor'), 1.1)}** ({rx(s7.get('target_vs_floor'))})")
+                     f"**{spread_allows(s7.get('target_vs_floor'), 1.1)}** ({rx(s7.get('target_vs_floor'))})")
         L += ["", "### Step time by tokens per request (ms)", "",
               "| batch | tokens/req | floor | vLLM model (fwd+logits) | spec target step | spec step | "
               "step / floor | target / floor | model / floor |", "|---|---|---|---|---|---|---|---|---|"]
@@ -279,12 +321,11 @@ def report(result: dict) -> str:
                          f"{ms(row['floor_s'].get(1 + k))} | {ms(s['model_s'])} | {ms(s['target_s'])} | "
                          f"{ms(s['step_s'])} | {rx(s['step_vs_floor'])} | {rx(s['target_vs_floor'])} | "
                          f"{rx(s['model_vs_floor'])} |")
-        L += ["", "Slower references at the same shapes (not the floor): the floor with plain `F.linear` "
-              "instead of packed oneDNN weights, and transformers' LlamaForCausalLM + DynamicCache (SDPA):", ""]
+        L += ["", "A slower reference at the same shapes (not the floor): the floor with plain `F.linear` "
+              "instead of packed oneDNN weights:", ""]
         for b, row in an.items():
-            fl, hf = row.get("floor_linear_s") or {}, row.get("hf_s") or {}
-            L.append(f"- batch {b}: floor F.linear q=1 {ms(fl.get(1))}, q=8 {ms(fl.get(8))} ms; transformers q=1 "
-                     f"{ms(hf.get(1))}, q=8 {ms(hf.get(8))} ms")
+            fl = row.get("floor_linear_s") or {}
+            L.append(f"- batch {b}: floor F.linear q=1 {ms(fl.get(1))}, q=8 {ms(fl.get(8))} ms")
         L += ["", "### Where a step's time goes (ms per step)", "",
               "Timers around the engine's methods (median over repeats of each cell's mean over its typical "
               "steps, those within 1.3x of its median step); the target forward split into "
@@ -350,121 +391,12 @@ def report(result: dict) -> str:
     return "\n".join(L)
 
 
-def plots(result: dict, out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    made = []
-    dts = list(result["dtypes"])
-    batches = list(next(iter(result["dtypes"].values()))["analysis"]["by_batch"])
-
-    def err(s):
-        return ([1e3 * (s["median"] - s["min"])], [1e3 * (s["max"] - s["median"])])
-
-    fig, axes = plt.subplots(len(dts), len(batches), figsize=(4.6 * len(batches), 3.8 * len(dts)), squeeze=False)
-    for i, dt in enumerate(dts):
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for j, b in enumerate(batches):
-            ax = axes[i][j]
-            row = an[b]
-            fq = sorted(row["floor_s"])
-            ax.errorbar(fq, [1e3 * row["floor_s"][q]["median"] for q in fq],
-                        yerr=[[1e3 * (row["floor_s"][q]["median"] - row["floor_s"][q]["min"]) for q in fq],
-                              [1e3 * (row["floor_s"][q]["max"] - row["floor_s"][q]["median"]) for q in fq]],
-                        marker="o", color="k", label="floor (PyTorch)", capsize=2)
-            ks = sorted(k for k in row["spec"] if k >= 1)
-            for field, label, color in (("step_s", "spec step (verify k)", "tab:red"),
-                                        ("target_s", "spec target step", "tab:orange"),
-                                        ("model_s", "vLLM model (fwd+logits)", "tab:purple")):
-                ys = [row["spec"][k][field] for k in ks]
-                ax.errorbar([1 + k for k in ks], [1e3 * s["median"] for s in ys],
-                            yerr=[[1e3 * (s["median"] - s["min"]) for s in ys], [1e3 * (s["max"] - s["median"])
-                                                                                for s in ys]],
-                            marker=".", color=color, label=label, capsize=2)
-            ax.errorbar([1], [1e3 * row["plain_s"]["median"]], yerr=err(row["plain_s"]), marker="s",
-                        color="tab:blue", label="plain decode step", capsize=2, linestyle="none")
-            if 0 in row["spec"]:
-                s0 = row["spec"][0]["step_s"]
-                ax.errorbar([1.1], [1e3 * s0["median"]], yerr=err(s0), marker="^", color="tab:green",
-                            label="spec step, no drafts", capsize=2, linestyle="none")
-            if row.get("hf_s"):
-                hq = sorted(row["hf_s"])
-                ax.plot(hq, [1e3 * row["hf_s"][q]["median"] for q in hq], "x--", color="grey",
-                        label="transformers + DynamicCache")
-            ax.set_title(f"{dt}, batch {b}")
-            ax.set_xlabel("tokens per request")
-            ax.set_ylabel("ms per step")
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            if i == 0 and j == 0:
-                ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "step_time.png", dpi=110)
-    plt.close(fig)
-    made.append("step_time.png")
-
-    fig, axes = plt.subplots(1, len(dts), figsize=(5.5 * len(dts), 4), squeeze=False)
-    for i, dt in enumerate(dts):
-        ax = axes[0][i]
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for b, color in zip(batches, ("tab:blue", "tab:orange", "tab:green", "tab:red")):
-            row = an[b]
-            ks = sorted(row["spec"])
-            xs = [1 + k for k in ks]
-            ax.plot(xs, [row["spec"][k]["target_vs_floor"]["median"] for k in ks], "o-", color=color,
-                    label=f"B={b} target step / floor")
-            ax.plot(xs, [row["spec"][k]["step_vs_floor"]["median"] for k in ks], "x:", color=color,
-                    label=f"B={b} step (with drafter) / floor")
-            ax.plot([1], [row["plain_vs_floor"]["median"]], "s", color=color)
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.axhline(1.1, color="grey", lw=0.8, ls="--")
-        ax.set_title(f"{dt}: ratio to the floor at the same tokens/request (square: plain decode)")
-        ax.set_xlabel("tokens per request (1 = no drafts)")
-        ax.set_ylabel("x floor")
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "ratio_to_floor.png", dpi=110)
-    plt.close(fig)
-    made.append("ratio_to_floor.png")
-
-    fig, axes = plt.subplots(len(dts), len(batches), figsize=(4.6 * len(batches), 3.8 * len(dts)), squeeze=False)
-    cmap = plt.get_cmap("tab20")
-    colors = [cmap(i) for i in range(cmap.N)]
-    for i, dt in enumerate(dts):
-        an = result["dtypes"][dt]["analysis"]["by_batch"]
-        for j, b in enumerate(batches):
-            ax = axes[i][j]
-            row = an[b]
-            variants = [("plain", row["plain_phases_s"])] + [(f"k={k}", s["phases_s"])
-                                                              for k, s in sorted(row["spec"].items())]
-            bottom = [0.0] * len(variants)
-            for c, p in enumerate(COMBINED):
-                vals = [1e3 * ph.get(p, 0.0) for _, ph in variants]
-                ax.bar(range(len(variants)), vals, bottom=bottom, color=colors[c % 20], label=p)
-                bottom = [x + y for x, y in zip(bottom, vals)]
-            fq = [1 if n == "plain" else 1 + int(n[2:]) for n, _ in variants]
-            ax.plot(range(len(variants)), [1e3 * row["floor_s"].get(q, {}).get("median", float("nan")) for q in fq],
-                    "k_", markersize=14, mew=2, label="floor (same tokens/req)")
-            ax.set_xticks(range(len(variants)), [n for n, _ in variants], fontsize=7)
-            ax.set_title(f"{dt}, batch {b}: phases")
-            ax.set_ylabel("ms per step")
-            if i == 0 and j == len(batches) - 1:
-                ax.legend(fontsize=6, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(out / "phases.png", dpi=110)
-    plt.close(fig)
-    made.append("phases.png")
-    return made
-
-
 def write_outputs(result: dict, out: Path) -> list[str]:
     plain = slim(result)
     (out / "results.json").write_text(dumps_compact(plain))
     (out / "report.md").write_text(report(plain))
+    from benchmarks.harness.step_cost_plots import plots  # imports matplotlib
+
     return plots(plain, out)
 
 

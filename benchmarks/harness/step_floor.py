@@ -1,7 +1,7 @@
-"""The step-cost floor: the target as a minimal Llama in plain PyTorch, and its worker's server.
+"""The step-cost floor: the target as a minimal Llama in plain PyTorch, and the cells that time it.
 
-Split from :mod:`.step_cost`, which runs it in a worker process of kind ``floor``
-(see that module's docstring for what the floor is and how it is checked).
+The worker process (:mod:`.step_worker`) builds it beside the two engines, on their OpenMP
+threads; :mod:`.step_cost` says what the floor is for and how it is checked against vLLM.
 """
 
 from __future__ import annotations
@@ -154,19 +154,16 @@ class FloorLlama:
 
 
 class FloorServer:
-    """The floor in a worker process: per-batch caches of ``context`` tokens, timed forwards of ``q`` tokens."""
+    """The floor in the worker process: per-batch caches of ``context`` tokens, timed forwards of ``q`` tokens."""
 
     def __init__(self, spec: EngineSpec):
         import torch
 
-        if spec.threads:
-            torch.set_num_threads(int(spec.threads))
         self.spec = spec
         self.dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[spec.dtype]
         self.model = FloorLlama(spec.target, self.dtype)
         self.caches: dict[tuple[int, int], Any] = {}
         self.threads = torch.get_num_threads()
-        self._hf: Any = None
 
     def info(self) -> dict:
         import torch
@@ -285,44 +282,3 @@ class FloorServer:
             else:
                 out = self.model.forward(t, len(context_ids), cache)[0]
         return out.float().tolist()
-
-    def hf_logits(self, context_ids: list[int], ids: list[int]) -> list[list[float]]:
-        """The same logits from transformers' LlamaForCausalLM (SDPA), to check the floor itself."""
-        import torch
-        from transformers import AutoModelForCausalLM
-
-        if self._hf is None:
-            self._hf = AutoModelForCausalLM.from_pretrained(self.spec.target, torch_dtype=self.dtype,
-                                                            attn_implementation="sdpa").eval()
-        with torch.inference_mode():
-            out = self._hf(torch.tensor([context_ids + ids])).logits[0, len(context_ids):]
-        return out.float().tolist()
-
-    def hf_cell(self, batch: int, q: int, context: int = 288, min_seconds: float = 0.5, min_steps: int = 5,
-                warmup: int = 1) -> dict:
-        """transformers' LlamaForCausalLM with a DynamicCache (cropped back after each forward)."""
-        import torch
-        from transformers import AutoModelForCausalLM, DynamicCache
-
-        if self._hf is None:
-            self._hf = AutoModelForCausalLM.from_pretrained(self.spec.target, torch_dtype=self.dtype,
-                                                            attn_implementation="sdpa").eval()
-        hf = self._hf
-        ids = torch.tensor(random_prompts(batch, context, self.model.vocab, seed=2000 + batch))
-        new = torch.randint(100, self.model.vocab - 100, (batch, q))
-        times: list[float] = []
-        with torch.inference_mode():
-            cache = DynamicCache()
-            hf(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            pos = torch.arange(context, context + q)[None].expand(batch, q)
-            for i in range(warmup + 10 ** 6):
-                t0 = time.perf_counter()
-                hf(new, past_key_values=cache, use_cache=True, position_ids=pos, cache_position=pos[0])
-                dt = time.perf_counter() - t0
-                cache.crop(context)
-                if i >= warmup:
-                    times.append(dt)
-                if sum(times) >= min_seconds and len(times) >= min_steps:
-                    break
-        return {"batch": batch, "tokens_per_request": q, "steps": len(times), "step_s": times,
-                "median_s": statistics.median(times), "context": context}

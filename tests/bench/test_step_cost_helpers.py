@@ -3,14 +3,9 @@
 import math
 
 from benchmarks.harness.step_common import classify_op
-from benchmarks.harness.step_cost import (
-    interleaved,
-    linear_slope,
-    ratio_summary,
-    spread_allows,
-    step_phases,
-    summarize,
-)
+from benchmarks.harness.step_cost import interleaved
+from benchmarks.harness.step_cost_report import linear_slope, ratio_summary, spread_allows, summarize
+from benchmarks.harness.step_engine import step_phases
 
 
 def test_summaries_and_goals():
@@ -41,15 +36,15 @@ def test_order_classes_and_phases():
 def test_cell_groups_pair_each_goal_with_its_floor():
     from benchmarks.harness.step_cost import cell_groups
 
-    alone = cell_groups([1], [0, 7], [1, 8], hf=False, lockstep=False)
-    assert all(len(g) == 1 for g in alone)
-    groups = cell_groups([1], [0, 7], [1, 8], hf=True, lockstep=True)
+    groups = cell_groups([1], [0, 7], [1, 8])
     assert groups[:2] == [[("plain", 1, 0), ("spec", 1, 0), ("floor", 1, 1)], [("spec", 1, 7), ("floor", 1, 8)]]
-    # Every cell of the back-to-back schedule runs exactly once per repeat in lockstep too.
-    back_to_back = cell_groups([1], [0, 7], [1, 8], hf=True, lockstep=False)
-    assert sorted(c for g in groups for c in g) == sorted(c for g in back_to_back for c in g)
+    # Every cell runs exactly once per repeat: the paired ones and, alone, the floor's F.linear reference.
+    assert sorted(c for g in groups for c in g) == sorted(
+        [("plain", 1, 0), ("spec", 1, 0), ("spec", 1, 7), ("floor", 1, 1), ("floor", 1, 8), ("floor_linear", 1, 1),
+         ("floor_linear", 1, 8)])
+    assert [g for g in groups if len(g) == 1] == [[("floor_linear", 1, 1)], [("floor_linear", 1, 8)]]
     # Without a no-draft cell the plain decode cell is still paired with the 1-token floor.
-    assert [("plain", 2, 0), ("floor", 2, 1)] in cell_groups([2], [3], [1, 4, 8], hf=False, lockstep=True)
+    assert [("plain", 2, 0), ("floor", 2, 1)] in cell_groups([2], [3], [1, 4, 8])
 
 
 class _FakeWorker:
@@ -117,7 +112,7 @@ def test_run_until_counts_only_steps_of_the_cells_shape():
 
 
 def test_position_bias_compares_even_and_odd_rounds():
-    from benchmarks.harness.step_cost import position_bias
+    from benchmarks.harness.step_cost_report import position_bias
 
     assert position_bias([9.0, 2.0, 1.0, 2.0, 1.0]) == 0.5  # the first step is left out
     assert math.isnan(position_bias([1.0, 2.0]))
@@ -135,12 +130,13 @@ def test_lockstep_pauses_before_every_step():
     assert rounds == 3 and time.perf_counter() - t0 >= 0.06
 
 
-def test_pair_order_names_each_engine_once_and_the_floor_at_most_once():
+def test_pair_order_names_each_engine_and_the_floor_once():
     import pytest
 
     from benchmarks.harness.step_common import EngineSpec
-    from benchmarks.harness.step_cost import PairServer
+    from benchmarks.harness.step_worker import PairServer
 
-    for order in (("plain",), ("plain", "plain"), ("plain", "spec", "floor", "floor"), ("plain", "spec", "hf")):
+    for order in (("plain",), ("plain", "plain"), ("plain", "spec", "floor", "floor"), ("plain", "spec", "hf"),
+                  ("plain", "spec")):
         with pytest.raises(ValueError, match="order must name"):
             PairServer(EngineSpec("pair", "/nonexistent", None, "bfloat16", order=order))

@@ -87,3 +87,22 @@ def test_render_only_rewrites_report_and_plots(tmp_path):
     missing = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_step_cost.py"), "--render-only",
                               "--out", str(tmp_path / "none")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "--render-only needs" in missing.stderr
+
+
+def test_the_records_command_makes_the_same_run_today():
+    # The record was run with flags of modes that are now the only ones (its args keep them); the command
+    # it gives parses, with today's script, to the settings it ran with.
+    import shlex
+
+    from benchmarks.bench_step_cost import parse_args
+
+    result = _load()
+    cmd = shlex.split(result["command"])
+    assert cmd[1] == "benchmarks/bench_step_cost.py" and (ROOT / cmd[1]).is_file()
+    args, ran = parse_args(cmd[2:]), result["args"]
+    assert ran["lockstep"] and ran["share_weights"] and ran["floor_in_pair"] and ran["no_hf"]
+    for name in ("dtypes", "batches", "ks", "profile_ks", "profile_steps", "repeats", "builds", "min_seconds",
+                 "min_steps", "prompt_len", "floor_context", "kv_space", "max_foreign", "retries", "lockstep_gap_ms",
+                 "tolerance", "cpu_setup"):
+        assert getattr(args, name) == ran[name], name
+    assert str(args.out) == ran["out"]
