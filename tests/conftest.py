@@ -19,6 +19,10 @@ from tests.tiny_pair import make_drafter
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB per engine: the tiny models need little
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Engines in the test process: an engine-core process re-imports torch and vLLM and took 20 of an engine's
+# 25 s start on 2 cores. Tests that run a command as a user would (README lines, the batch job's faults)
+# leave this out of the command's environment.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 # Budget profiles the engines take go to a directory of this run, never the user's cache (and are not
 # reused from an earlier run); tests that check the cache pin their own.
 os.environ.setdefault("VLLM_DSPARK_PROFILE_CACHE", tempfile.mkdtemp(prefix="dspark-test-profiles-"))

@@ -26,7 +26,10 @@ CHAT = {"id": "chat", "messages": [{"role": "user", "content": "What is the capi
 
 
 def _env_without_kv_setting() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    # As a user runs it: no KV-cache setting, and vLLM's own engine process (the suite's in-process default
+    # is the conftest's, not the user's).
+    return {k: v for k, v in os.environ.items()
+            if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_ENABLE_V1_MULTIPROCESSING")}
 
 
 def _command(tmp, pair) -> list[str]:

@@ -139,7 +139,8 @@ def test_the_readme_serve_line_starts_as_written(default_pair, tmp_path):
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
     assert spec["method"] == "dspark" and spec["model"] == default_pair["draft"]
     cmd = [VLLM, *cmd[1:], "--host", "127.0.0.1", "--port", str(free_port())]
-    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY")}
+    user_set = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_API_KEY", "VLLM_ENABLE_V1_MULTIPROCESSING")  # none of them a user's
+    env = {k: v for k, v in os.environ.items() if k not in user_set}
     log_path = tmp_path / "readme_serve.log"
     with serving(cmd, log_path, env, timeout=900) as srv:
         body = {"model": default_pair["target"], "prompt": "The capital of France is", "max_tokens": 8,
