@@ -102,10 +102,24 @@ def test_drafting_step_drops_the_forward_when_every_request_copies():
     plan = cp.plan(DRAFT, conf, [7, 7], [7, 7], np.zeros(2, bool))
     assert plan.sources == ("copy",) and not plan.drafter_runs and plan.mode is PlanMode.DRAFT
     assert min(plan.copy_kept) >= 5 and cp.counters["steps_copy_only"] == 1
-    # One request without a copy: the drafter runs, and the choice waits for its drafts.
+    # One request without a copy: the poor drafter's forward would not pay for what it adds on that row.
     conf = _offer([12, 0], [7, 0])
     plan = cp.plan(DRAFT, conf, [7, 0], [7, 7], np.zeros(2, bool))
+    assert plan.sources == ("copy",) and cp.counters["steps_copy_only"] == 2
+
+
+def test_drafting_step_runs_the_forward_where_a_good_drafter_pays_beside_the_copies():
+    p, cp = _policy(LINEAR)
+    _teach(cp, 12, 7, 7, 60)
+    for _ in range(60):  # the drafter measured good: 3 of 3 accepted
+        p.feedback(PlanMode.DRAFT, [Feedback([0.9] * 3, 3, 3, False)])
+    conf = _offer([12, 0], [7, 0])  # the second request has no copy: the drafter's row pays for its forward
+    plan = cp.plan(DRAFT, conf, [7, 0], [7, 7], np.zeros(2, bool))
     assert plan.sources == ("dspark", "copy") and plan.copy_kept == ()
+    # The same drafter, its forward priced at ten decode steps: the copies alone do better.
+    p.costs = C.CostModel(verify=LINEAR.verify, draft=[(1, 0.1), (64, 0.1)])
+    plan = cp.plan(DRAFT, conf, [7, 0], [7, 7], np.zeros(2, bool))
+    assert plan.sources == ("copy",)
 
 
 def test_drafting_step_probes_an_unproven_copy_beside_the_drafter():
@@ -127,6 +141,23 @@ def test_choose_among_gives_each_request_the_source_that_promises_more():
     model = np.full((2, N), 0.5)
     alloc, picks = p.choose_among({"dspark": model, "copy": copy}, [7, 7], np.zeros(2, bool))
     assert picks == ["copy", "dspark"] and alloc.kept[0] == 7
+
+
+def test_drafting_continues_only_where_the_forward_adds_to_the_copies():
+    p, cp = _policy(LINEAR)
+    _teach(cp, 12, 7, 7, 60)
+    copy = _offer([12, 20], [7, 7])
+    weak = np.full((2, N), 0.2)  # no better than the copies for either request
+    p.state = "drafting"
+    alloc, picks = p.choose_among({"dspark": weak, "copy": copy}, [7, 7], np.zeros(2, bool))
+    # The allocation pays (the copies' gain), but the drafter's forward adds nothing to it.
+    assert alloc.draft_pays and picks == ["copy", "copy"] and not p.draft_pays_next
+    copy = _offer([12, 0], [7, 0])
+    for _ in range(60):
+        p.feedback(PlanMode.DRAFT, [Feedback([0.9] * 3, 3, 3, False)])
+    strong = np.full((2, N), 0.9)
+    alloc, picks = p.choose_among({"dspark": strong, "copy": copy}, [7, 7], np.zeros(2, bool))
+    assert picks == ["copy", "dspark"] and p.draft_pays_next
 
 
 @pytest.mark.parametrize("mode", [PlanMode.SKIP, PlanMode.PROBE])

@@ -468,6 +468,14 @@ class BudgetPolicy:
         surv = np.stack(survs)[pick, np.arange(len(caps))] if len(caps) else survs[0]
         alloc = allocate(surv, caps, self.costs, margin=self.margin)
         self.draft_pays_next = alloc.draft_pays
+        others = [i for i, s in enumerate(names) if s != MODEL_SOURCE]
+        if others and MODEL_SOURCE in names and alloc.draft_pays:
+            # The next step's forward must pay beyond what the other sources get without it: at batch 8
+            # the copy's gain alone kept the drafter drafting (and its forward running) every step.
+            best = np.argmax(expected[others], axis=0)
+            rest = np.stack([survs[i] for i in others])[best, np.arange(len(caps))]
+            without = allocate(rest, caps, self.costs, margin=self.margin)
+            self.draft_pays_next = alloc.draft_rate > max(without.rate, alloc.plain_rate) * (1.0 + self.margin)
         if alloc.draft_pays:
             self.rhythm.period = self.rhythm.shortest
         return alloc, [names[int(i)] for i in pick]
