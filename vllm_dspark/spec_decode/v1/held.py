@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from vllm_dspark.spec_decode.common.budget import Plan, PlanMode
+from vllm_dspark.spec_decode.v1.accepted_context import accepted_rows
 
 if TYPE_CHECKING:
     from vllm_dspark.spec_decode.common.planner import StepPlanner
@@ -36,6 +37,7 @@ class HeldContext:
     model: Any
     _context_positions_buffer: torch.Tensor
     _context_slot_mapping_buffer: torch.Tensor
+    block: int
     _decide: Callable[..., Any]
     _lap: Callable[[str, float], float]
     _no_drafts: Callable[..., list]
@@ -76,6 +78,26 @@ class HeldContext:
             return t1
         self.pending.flush(self._store_context, req_ids)
         return self._lap("context_flush", t1)
+
+    def _check_hold(self, cad, num_rejected, target_positions: torch.Tensor, n: int) -> None:
+        """Prove holding on a copy-only step just stored at once: its accepted rows' positions and slots
+        must be the ones the eager store laid out. Under load every step may copy, and a step with no
+        source at all (where :meth:`_hold` proves it) may never come: at batch 8 on the copy-heavy set
+        none did, and every step stored its context at once."""
+        st = self.state
+        if st.hold_checked or not st.hold_ok or int(cad.max_query_len) > self.block + 1:
+            return
+        rows = accepted_rows(cad, num_rejected, target_positions.device)
+        if rows is None or int(rows.index.shape[0]) != n:
+            return
+        positions, slots = target_positions[rows.index], cad.slot_mapping[rows.index]
+        if torch.equal(self._context_positions_buffer[:n].to(positions.dtype), positions) \
+                and torch.equal(self._context_slot_mapping_buffer[:n].to(slots.dtype), slots):
+            st.hold_checked = True
+            return
+        st.hold_ok = False
+        logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context layout; "
+                       "steps without drafts store their context at once (about 1 ms a step)")
 
     def _store_context(self, states, positions, slots) -> None:
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)

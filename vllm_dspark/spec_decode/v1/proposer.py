@@ -182,6 +182,7 @@ class DSparkProposer(HeldContext, ProposerReport, DFlashProposer):
             self.model.precompute_and_store_context_kv(
                 self._dflash_hidden_states, self._context_positions_buffer[:n],
                 self._context_slot_mapping_buffer[:n])
+            self._check_hold(cad, num_rejected_tokens_gpu, target_positions, n)
             t = self._lap("context_kv_only", t)
             return self._send_copies(d, next_token_ids, t, t_layout)
 
