@@ -113,18 +113,36 @@ def test_a_profile_the_corrections_keep_disowning_is_stale():
     assert m.scale_verify < 0.5 and m.far_verify == 9 and not m.stale
     m.observe_verify(1, 0.033)
     assert m.stale
-    scale = m.scale_verify
+    before = (m.verify_time(1), m.verify_time(100))
+    assert before[0] == pytest.approx(0.033, rel=0.05)  # the scale and the point's own shape, together
     m.rebase()  # the corrections folded into the curves
-    assert not m.stale and m.scale_verify == 1.0 and m.rebased == 1
-    assert m.verify_time(1) == pytest.approx(0.1 * scale) and m.verify_time(100) == pytest.approx(0.2 * scale)
+    assert not m.stale and m.scale_verify == 1.0 and m.rebased == 1 and m.shape_verify == [1.0, 1.0]
+    assert (m.verify_time(1), m.verify_time(100)) == pytest.approx(before)
     m2 = C.CostModel(verify=[(1, 0.1)], draft=[(1, 0.01)], ema=0.5, patience=3)
     for _ in range(3):
         m2.observe_draft(1, 0.1)  # the drafter is 10x slower than profiled
     assert m2.stale
 
 
+def test_the_verify_curve_learns_each_points_own_error():
+    # A batch-8 profile whose 16-token point came out slow beside its neighbours (profiling noise): the
+    # first draft token of every request priced at several times its cost.
+    m = C.CostModel(verify=[(8, 0.023), (16, 0.033), (32, 0.037), (64, 0.064)], draft=[(1, 0.004)])
+    real = {8: 0.023, 12: 0.0245, 16: 0.026, 24: 0.031, 32: 0.037}  # ~0.6 ms a token from 8 to 32
+    for i in range(400):
+        n = list(real)[i % len(real)]
+        m.observe_verify(n, real[n])
+    for n, t in real.items():
+        assert m.verify_time(n) == pytest.approx(t, rel=0.12), n
+    assert m.verify_time(16) - m.verify_time(8) < 0.5 * (0.033 - 0.023)  # no longer a cliff
+    given = C.CostModel.from_dict({"verify": [[8, 0.023], [16, 0.033]], "draft": [[1, 0.004]]}, given=True)
+    for _ in range(50):
+        given.observe_verify(16, 0.026)
+    assert given.shape_verify == [1.0, 1.0]  # a table the user set keeps its shape (the scale still learns)
+
+
 def test_online_corrections_follow_observed_times_but_clamp_outliers():
-    m = C.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5)
+    m = C.CostModel(verify=[(1, 0.1), (100, 0.1)], draft=[(1, 0.01)], ema=0.5, learn_shape=False)
     m.observe_verify(10, 0.2)
     assert m.scale_verify == pytest.approx(1.5)
     m.observe_verify(10, 100.0)  # a stall: clamped to 4x before averaging

@@ -26,6 +26,11 @@ class CostModel:
     the time is interpolated linearly, beyond the last point extrapolated from
     the last two (the machine stays compute-bound). ``scale_verify`` and
     ``scale_draft`` are online corrections (EMAs of observed / predicted).
+    ``shape_verify`` corrects each verify point on its own, from the steps observed
+    between it and its neighbours: one scale cannot mend a profile whose points are
+    off by different factors (on the 2-core EPYC the 16-token point of a batch-8
+    profile came out 1.5x too slow beside its neighbours, so the first draft token
+    of each request was priced at three times its cost and short copies were declined).
 
     A correction that stays outside ``[1/drift, drift]`` for ``patience``
     observations in a row means the curves no longer describe this machine (a
@@ -51,15 +56,25 @@ class CostModel:
     # Whether other sources' costs are learnt from the steps observed (a given table fixes them: 0 where it
     # names none, so a test that pins its costs decides alike under any load).
     learn_sources: bool = True
+    # Per-point corrections of the verify curve, learnt where the steps observed fall (a given table keeps
+    # its shape, as it keeps its sources' costs).
+    shape_verify: list[float] = field(default_factory=list)
+    learn_shape: bool = True
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
             raise ValueError("a cost model needs at least one verify and one draft point")
         self.verify = _monotone(sorted((int(n), float(t)) for n, t in self.verify))
         self.draft = _monotone(sorted((int(n), float(t)) for n, t in self.draft))
+        if len(self.shape_verify) != len(self.verify):
+            self.shape_verify = [1.0] * len(self.verify)
+        self._shaped = self._shape()
+
+    def _shape(self) -> list[tuple[int, float]]:
+        return _monotone([(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)])
 
     def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
-        return self.scale_verify * _interp(self.verify, tokens)
+        return self.scale_verify * _interp(self._shaped, tokens)
 
     def draft_time(self, requests: int, source: str = MODEL_SOURCE) -> float:
         """Seconds ``source`` takes to draft for ``requests`` requests (the drafter's profiled curve;
@@ -89,9 +104,30 @@ class CostModel:
         return not (1.0 / self.drift <= scale <= self.drift)
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        self.scale_verify = _ema(self.scale_verify, seconds / max(1e-9, float(_interp(self.verify, tokens))),
+        self.scale_verify = _ema(self.scale_verify, seconds / max(1e-9, float(_interp(self._shaped, tokens))),
                                  self.ema)
         self.far_verify = self.far_verify + 1 if self._far(self.scale_verify) else 0
+        if self.learn_shape:
+            self._learn_shape(int(tokens), seconds / max(1e-9, float(self.verify_time(tokens))))
+
+    def _learn_shape(self, tokens: int, ratio: float) -> None:
+        """Move the two points around ``tokens`` towards what was observed, each by its share of the
+        interpolation (in log space, a single observation clamped as in :func:`_ema`)."""
+        xs = [n for n, _ in self.verify]
+        i = bisect.bisect_right(xs, tokens) - 1
+        if i < 0 or i >= len(xs) - 1:
+            shares = [(0 if i < 0 else len(xs) - 1, 1.0)]
+        else:
+            frac = (tokens - xs[i]) / (xs[i + 1] - xs[i])
+            shares = [(i, 1.0 - frac), (i + 1, frac)]
+        step = float(np.log(min(max(ratio, 0.25), 4.0)))
+        logs = np.log(np.asarray(self.shape_verify))
+        for j, w in shares:
+            logs[j] += self.ema * w * step
+        # The shape is relative (geometric mean 1): a machine slower everywhere is the global scale's to
+        # learn, so that the scale alone still says when the profile went stale.
+        self.shape_verify = np.exp(np.clip(logs - logs.mean(), -1.4, 1.4)).tolist()
+        self._shaped = self._shape()
 
     def observe_draft(self, requests: int, seconds: float) -> None:
         self.scale_draft = _ema(self.scale_draft, seconds / max(1e-9, float(_interp(self.draft, requests))),
@@ -104,9 +140,11 @@ class CostModel:
 
     def rebase(self) -> None:
         """Fold the online corrections into the curves (after a stale profile was detected)."""
-        self.verify = [(n, t * self.scale_verify) for n, t in self.verify]
+        self.verify = [(n, t * self.scale_verify) for n, t in self._shaped]
         self.draft = [(n, t * self.scale_draft) for n, t in self.draft]
         self.scale_verify = self.scale_draft = 1.0
+        self.shape_verify = [1.0] * len(self.verify)
+        self._shaped = self._shape()
         self.far_verify = self.far_draft = 0
         self.rebased += 1
 
@@ -120,7 +158,8 @@ class CostModel:
         are fixed, not learnt; a cached profile's sources are learnt again."""
         sources = {k: [(int(n), float(t)) for n, t in v] for k, v in (d.get("sources") or {}).items()} if given else {}
         return cls(verify=[tuple(p) for p in d["verify"]], draft=[tuple(p) for p in d["draft"]],
-                   source=source or d.get("source", "given"), source_draft=sources, learn_sources=not given)
+                   source=source or d.get("source", "given"), source_draft=sources, learn_sources=not given,
+                   learn_shape=not given)
 
 
 def _ema(old: float, new: float, a: float) -> float:
