@@ -143,21 +143,17 @@ def test_choose_among_gives_each_request_the_source_that_promises_more():
     assert picks == ["copy", "dspark"] and alloc.kept[0] == 7
 
 
-def test_drafting_continues_only_where_the_forward_adds_to_the_copies():
+def test_copies_winning_a_drafting_step_do_not_put_the_drafter_to_wait():
     p, cp = _policy(LINEAR)
     _teach(cp, 12, 7, 7, 60)
+    for _ in range(60):  # the drafter measured decent: where nothing matches, it should draft
+        p.feedback(PlanMode.DRAFT, [Feedback([0.9] * 3, 3, 2, False)])
+    p.state, p.draft_pays_next = "drafting", True
     copy = _offer([12, 20], [7, 7])
-    weak = np.full((2, N), 0.2)  # no better than the copies for either request
-    p.state = "drafting"
-    alloc, picks = p.choose_among({"dspark": weak, "copy": copy}, [7, 7], np.zeros(2, bool))
-    # The allocation pays (the copies' gain), but the drafter's forward adds nothing to it.
-    assert alloc.draft_pays and picks == ["copy", "copy"] and not p.draft_pays_next
-    copy = _offer([12, 0], [7, 0])
-    for _ in range(60):
-        p.feedback(PlanMode.DRAFT, [Feedback([0.9] * 3, 3, 3, False)])
-    strong = np.full((2, N), 0.9)
-    alloc, picks = p.choose_among({"dspark": strong, "copy": copy}, [7, 7], np.zeros(2, bool))
-    assert picks == ["copy", "dspark"] and p.draft_pays_next
+    _, picks = p.choose_among({"dspark": np.full((2, N), 0.2), "copy": copy}, [7, 7], np.zeros(2, bool))
+    assert picks == ["copy", "copy"] and p.draft_pays_next
+    # The next step has no match: the drafter drafts at once, its wait not doubled by the copies' win.
+    assert p.plan([7, 7], np.zeros(2, bool)) == DRAFT and p.rhythm.period == p.rhythm.shortest
 
 
 @pytest.mark.parametrize("mode", [PlanMode.SKIP, PlanMode.PROBE])
