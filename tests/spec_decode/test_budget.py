@@ -393,3 +393,17 @@ def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     f = tmp_path / "c.json"
     f.write_text("{}")
     assert P.drop_cached(f) and not f.exists() and not P.drop_cached(f) and not P.drop_cached(None)
+
+
+def test_a_load_change_starts_the_backoff_afresh():
+    # Probes rejected at batch 8 doubled the wait to its longest; at batch 1 the drafter looks at once and
+    # backs off from the shortest period again (the evidence for the long wait was another load's).
+    p = B.BudgetPolicy(7, B.TrustConfig(probe_max_period=256), costs=linear(per_token=0.0002, fixed=0.01, d=0.001))
+    for _ in range(10):
+        p.rhythm.rejected()
+    p.wait_batch = 8
+    assert p.rhythm.period == 256
+    plan = p.plan([7], np.zeros(1, bool))
+    assert plan.mode is B.PlanMode.PROBE and p.rhythm.period == 1
+    p.feedback(B.PlanMode.PROBE, [B.Feedback([0.9, 0.9], 2, 0, False)])  # rejected: the wait doubles from 1
+    assert p.rhythm.period == 2
