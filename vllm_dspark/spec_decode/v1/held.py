@@ -90,14 +90,19 @@ class HeldContext:
         rows = accepted_rows(cad, num_rejected, target_positions.device)
         if rows is None or int(rows.index.shape[0]) != n:
             return
-        positions, slots = target_positions[rows.index], cad.slot_mapping[rows.index]
+        self._prove_hold(target_positions[rows.index], cad.slot_mapping[rows.index], n)
+
+    def _prove_hold(self, positions: torch.Tensor, slots: torch.Tensor, n: int) -> bool:
+        """Whether the step's ``n`` rows sit where the eager store laid them out (its context buffers):
+        holding is then proven; otherwise it is turned off for good, with a warning."""
         if torch.equal(self._context_positions_buffer[:n].to(positions.dtype), positions) \
                 and torch.equal(self._context_slot_mapping_buffer[:n].to(slots.dtype), slots):
-            st.hold_checked = True
-            return
-        st.hold_ok = False
+            self.state.hold_checked = True
+            return True
+        self.state.hold_ok = False
         logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context layout; "
                        "steps without drafts store their context at once (about 1 ms a step)")
+        return False
 
     def _store_context(self, states, positions, slots) -> None:
         self.model.precompute_and_store_context_kv(self.model.combine_hidden_states(states), positions, slots)
@@ -113,14 +118,8 @@ class HeldContext:
             self.set_inputs_first_pass(target_token_ids, next_token_ids, target_positions,
                                        self.model.combine_hidden_states(target_hidden_states), token_indices,
                                        cad, num_rejected)
-            want_pos = self._context_positions_buffer[:n]
-            want_slots = self._context_slot_mapping_buffer[:n]
-            if not (torch.equal(want_pos.to(positions.dtype), positions)
-                    and torch.equal(want_slots.to(slots.dtype), slots)):
-                self.state.hold_ok = False
-                logger.warning("vllm_dspark: the runner's slot mapping differs from the drafter's context "
-                               "layout; steps without drafts store their context at once (about 1 ms a step)")
-                self._store_context(target_hidden_states, want_pos, want_slots)
+            if not self._prove_hold(positions, slots, n):
+                self._store_context(target_hidden_states, self._context_positions_buffer[:n],
+                                    self._context_slot_mapping_buffer[:n])
                 return
-            self.state.hold_checked = True
         self.pending.hold(req_ids, target_hidden_states, positions, slots)
