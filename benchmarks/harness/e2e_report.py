@@ -115,10 +115,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         ax.set_ylabel("speed-up vs no speculation")
         ax.set_title(f"{ds}, T={t:g}")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=110)
-    plt.close(fig)
-    made.append("speedup.png")
+    made.append(_save(fig, out, "speedup.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
     c0 = min(r["concurrency"] for r in rows)
@@ -131,10 +128,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
     ax.set_title(f"Per-position acceptance, concurrency {c0}")
     ax.set_ylim(0, 1.02)
     ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "acceptance_per_position.png", dpi=110)
-    plt.close(fig)
-    made.append("acceptance_per_position.png")
+    made.append(_save(fig, out, "acceptance_per_position.png"))
 
     cal_rows = [r for r in rows if (r.get("dspark") or {}).get("calibration")
                 and sum(r["dspark"]["calibration"]["bins"]["count"])]
@@ -151,10 +145,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         ax.set_ylabel("measured acceptance")
         ax.set_title("Reliability of the confidence head")
         ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / "reliability.png", dpi=110)
-        plt.close(fig)
-        made.append("reliability.png")
+        made.append(_save(fig, out, "reliability.png"))
 
     br = [(r, breakdown(r)) for r in rows if breakdown(r)]
     if br:
@@ -171,10 +162,7 @@ def plots(rows: list[dict], out: Path) -> list[str]:
         ax.set_ylabel("ms per step")
         ax.set_title("Where a speculative step's time goes")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "step_breakdown.png", dpi=110)
-        plt.close(fig)
-        made.append("step_breakdown.png")
+        made.append(_save(fig, out, "step_breakdown.png"))
     return made
 
 
@@ -209,3 +197,12 @@ def write_record(meta: dict, rows: list[dict], out: Path) -> None:
     tmp.write_text(json.dumps({"meta": meta, "rows": slim}, indent=1))
     tmp.replace(out / "results.json")
     write_report(meta, slim, out)
+
+
+def _save(fig, out: Path, name: str) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    return name
