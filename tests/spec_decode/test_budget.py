@@ -200,6 +200,25 @@ def test_calibrator_forgets_old_evidence():
     assert cal.table()["count"][0] == 600  # the report keeps every observation
 
 
+def test_calibrator_tables_are_recomputed_after_every_change():
+    """The levels, the optimistic bound and the calibrated values are kept between changes of the
+    tables; each observe and seed must drop them (a stale copy would keep vouching for old evidence)."""
+    cal = K.Calibrator(num_positions=2, prior_strength=4)
+    conf, greedy = np.array([[0.8, 0.8]]), np.zeros(1, dtype=bool)
+    before = (cal.levels().copy(), cal.levels_optimistic().copy(), cal.calibrate(conf, greedy))
+    assert not cal.levels().flags.writeable  # shared with callers, so read-only
+    cal.observe([0.8, 0.8], verified=2, accepted=0, sampled=False)
+    after = (cal.levels(), cal.levels_optimistic(), cal.calibrate(conf, greedy))
+    for old, new in zip(before, after, strict=True):
+        assert np.all(new[0] < old[0]), (old, new)
+    fresh = K.Calibrator(num_positions=2, prior_strength=4)
+    fresh.observe([0.8, 0.8], verified=2, accepted=0, sampled=False)
+    np.testing.assert_array_equal(fresh.levels(), cal.levels())  # what a calibrator never cached says
+    seeded = cal.levels().copy()
+    cal.seed(np.full((2, 10), 40.0), np.full((2, 10), 40.0), np.full((2, 10), 32.0))  # a seed of acceptances
+    assert np.all(cal.levels()[0] > seeded[0])
+
+
 def test_optimistic_levels_shrink_with_evidence():
     cal = K.Calibrator(num_positions=3)
     np.testing.assert_allclose(cal.levels_optimistic()[0], [1.0, 1.0, 1.0])  # nothing measured: could be anything

@@ -71,9 +71,16 @@ class CostModel:
         self._shaped = self._shape()
 
     def _shape(self) -> list[tuple[int, float]]:
-        return _monotone([(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)])
+        shaped = _monotone([(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)])
+        # The allocation prices every prefix of the ranked slots at once, a step or more: the curve's
+        # arrays are built here, when it changes, not at each of those calls.
+        self._shaped_xy = (np.array([n for n, _ in shaped], dtype=np.float64),
+                           np.array([t for _, t in shaped], dtype=np.float64))
+        return shaped
 
     def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
+        if isinstance(tokens, np.ndarray):
+            return self.scale_verify * _interp_xy(*self._shaped_xy, tokens)
         return self.scale_verify * _interp(self._shaped, tokens)
 
     def draft_time(self, requests: int, source: str = MODEL_SOURCE) -> float:
@@ -184,6 +191,11 @@ def _interp(points: list[tuple[int, float]], x):
         return _interp_scalar(points, float(x))
     xs = np.array([p[0] for p in points], dtype=np.float64)
     ys = np.array([p[1] for p in points], dtype=np.float64)
+    return _interp_xy(xs, ys, x)
+
+
+def _interp_xy(xs: np.ndarray, ys: np.ndarray, x):
+    """:func:`_interp` over the curve's points as arrays: linear between them, the last slope past them."""
     xa = np.asarray(x, dtype=np.float64)
     y = np.interp(xa, xs, ys)
     if len(xs) >= 2:
