@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,13 +128,15 @@ class CostModel:
         else:
             frac = (tokens - xs[i]) / (xs[i + 1] - xs[i])
             shares = [(i, 1.0 - frac), (i + 1, frac)]
-        step = float(np.log(min(max(ratio, 0.25), 4.0)))
-        logs = np.log(np.asarray(self.shape_verify))
+        # Plain floats: a handful of points, every decode step (numpy's per-call cost was most of it).
+        step = math.log(min(max(ratio, 0.25), 4.0))
+        logs = [math.log(f) for f in self.shape_verify]
         for j, w in shares:
             logs[j] += self.ema * w * step
         # The shape is relative (geometric mean 1): a machine slower everywhere is the global scale's to
         # learn, so that the scale alone still says when the profile went stale.
-        self.shape_verify = np.exp(np.clip(logs - logs.mean(), -1.4, 1.4)).tolist()
+        mean = sum(logs) / len(logs)
+        self.shape_verify = [math.exp(min(max(x - mean, -1.4), 1.4)) for x in logs]
         self._shaped = self._shape()
 
     def observe_draft(self, requests: int, seconds: float) -> None:

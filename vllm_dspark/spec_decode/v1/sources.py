@@ -87,6 +87,8 @@ def text_offers(sources: Sequence[DraftSource], req_ids: list[str], caps: list[i
 def widen(drafts: Drafts, batch: int, rows: list[int], n: int) -> Drafts:
     """Drafts for ``rows`` ([len(rows), k]) placed in a [batch, n] record, zero elsewhere."""
     k = drafts.tokens.shape[1]
+    if k == n and len(rows) == batch and rows == list(range(batch)):
+        return drafts  # every row, in order: already the record (the usual copy offer at batch 1)
     dev = drafts.tokens.device
     tokens = torch.zeros(batch, n, dtype=torch.int64, device=dev)
     conf = torch.zeros(batch, n, dtype=torch.float32, device=dev)
