@@ -312,7 +312,8 @@ def test_a_confidently_wrong_drafter_costs_at_most_3_percent_from_the_first_seco
     assert sum(k for _, k in log) <= 4 * pol.trust.probe_requests * pol.trust.probe_tokens + 7 * r, pol.report()
     probes = [i for i, (m, _) in enumerate(log) if m == "probe"]
     gaps = np.diff(probes)
-    assert all(b >= 2 * a for a, b in zip(gaps, gaps[1:])), probes  # re-probes back off
+    # Re-probes back off; a look after STALE_STEPS unmeasured steps (the evidence softened) starts afresh.
+    assert all(b >= 2 * a or b >= B.STALE_STEPS or a >= B.STALE_STEPS for a, b in zip(gaps, gaps[1:])), probes
     assert pol.state in ("waiting", "blocked")
 
 
@@ -324,6 +325,22 @@ def test_an_accepted_drafter_is_admitted_within_a_few_steps_and_keeps_its_gain(c
         first = next(i for i, (m, k) in enumerate(log) if m == "draft" and k > 0)
         assert first <= 10, (seed, log[:12])
         assert rate >= 0.95 * best_fixed(costs, r, 300, 0.8), (seed, pol.report())
+
+
+@pytest.mark.parametrize("costs, r", [(cpu_costs, 1), (gpu_costs, 8)])
+def test_a_drafter_put_out_of_use_is_looked_at_again_when_the_workload_changes(costs, r):
+    """Hundreds of rejections shut the drafter's upper bound, so no probe would measure it again; when it
+    has gone unmeasured for STALE_STEPS its evidence is softened and a probe looks. Here the workload
+    turns easy after 1,500 steps: it drafts again within STALE_STEPS and a few probes."""
+    switch = 1500
+    rate, log, pol = simulate(costs(), r, switch + 2 * B.STALE_STEPS, alpha=0.02, conf="informative",
+                              switch=[(switch, 0.8)])
+    assert pol.counters["softened"] >= 1, pol.report()
+    late = [m for m, k in log[switch - 300:switch] if m != "skip"]
+    assert len(late) <= 12, late  # before the change: out of use, a look now and then
+    drafting = [i for i, (m, k) in enumerate(log[switch:]) if m == "draft" and k > 0]
+    assert drafting and drafting[0] <= B.STALE_STEPS + 40, (drafting[:5], pol.report())
+    assert len(drafting) >= B.STALE_STEPS // 2  # and keeps drafting
 
 
 @pytest.mark.parametrize("r", [1, 8, 32])

@@ -228,6 +228,11 @@ class Feedback:
 
 SKIP = Plan(PlanMode.SKIP)
 STOP_SURPRISE = float(np.log(100.0))
+# The drafter unmeasured for this many planned steps (or for LOAD_STALE_STEPS when the load changes):
+# what was measured of it is softened to STALE_EVIDENCE observations a position (Calibrator.soften).
+STALE_STEPS = 256
+LOAD_STALE_STEPS = 32
+STALE_EVIDENCE = 4.0
 PROBE_BURST = 4.0
 DRAFT = Plan(PlanMode.DRAFT)
 
@@ -315,7 +320,8 @@ class BudgetPolicy:
         self.credit = PROBE_BURST  # probes the measurements do not justify, still allowed
         self._cursor = 0
         self._fresh_present = False  # the last plan's batch had a request of an unmeasured mode
-        self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks"), 0)
+        self.unmeasured = 0  # planned steps since the drafter's drafts were last verified
+        self.counters = dict.fromkeys(("probes", "probes_accepted", "full_checks", "stops", "unblocks", "softened"), 0)
 
     def calibrator_of(self, source: str) -> Calibrator:
         cal = self.calibrators.get(source)
@@ -338,6 +344,7 @@ class BudgetPolicy:
         seen = [f for f in seen if f.source == MODEL_SOURCE]
         if not seen:
             return
+        self.unmeasured = 0
         accepted_any = any(f.accepted > 0 for f in seen)
         t = self.trust
         if kind == PlanMode.PROBE:
@@ -389,13 +396,21 @@ class BudgetPolicy:
             self.state = "waiting"  # the allocation's forecast says the next drafting step will not pay
             self.rhythm.rejected()
             self.wait_batch = r
-        if self.wait_batch and not (self.wait_batch / 2 <= r <= self.wait_batch * 2):
+        self.unmeasured += 1
+        load_changed = bool(self.wait_batch) and not (self.wait_batch / 2 <= r <= self.wait_batch * 2)
+        if load_changed:
             # The load changed: look again now, and back off afresh. A wait doubled to hundreds of steps at
             # batch 8, where the copies left the drafter few rows and those were rejected, kept it from
             # drafting at batch 1 after (HumanEval: 24 of 151 steps without a draft before the drafter's
             # forward was priced against the copies, 176 of 231 after, in one lockstep run).
             self.rhythm.wait = 0
             self.rhythm.period = self.rhythm.shortest
+        if self.unmeasured >= (LOAD_STALE_STEPS if load_changed else STALE_STEPS):
+            # Old evidence would keep its upper bound shut (so no probe) on a workload it never saw.
+            self.calibrator.soften(STALE_EVIDENCE)
+            self.unmeasured = 0
+            self.rhythm.wait, self.rhythm.period = 0, self.rhythm.shortest
+            self.counters["softened"] += 1
         fresh = self._fresh_rows(caps, sampled)
         if fresh and not self._fresh_present:
             self.rhythm.wait = 0  # a mode nothing has measured joined: the wait was earned by the other one
