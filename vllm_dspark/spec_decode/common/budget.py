@@ -97,18 +97,19 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     surv = np.minimum.accumulate(np.asarray(surv, dtype=np.float64), axis=1) if surv.size else surv
     r = surv.shape[0]
     base_tokens = r + extra_tokens
-    values, rows = [], []
-    for i in range(r):
-        k = int(max(0, min(caps[i], surv.shape[1])))
-        values.extend(surv[i, :k].tolist())
-        rows.extend([i] * k)
+    # Each request's first caps[i] slots, row by row (boolean indexing keeps that order).
+    if r:
+        within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64).reshape(r, 1)
+        values, rows = surv[within], np.nonzero(within)[0]
+    else:
+        values, rows = np.zeros(0), np.zeros(0, dtype=np.int64)
     t_plain = float(costs.verify_time(base_tokens))
     plain_rate = r / t_plain if t_plain > 0 else 0.0
     d = costs.draft_time(r)
-    if not values:
+    if not values.size:
         return Allocation([0] * r, float(r), t_plain, plain_rate, plain_rate, 0.0, False)
-    order = np.argsort(-np.asarray(values), kind="stable")  # ties: lower position first
-    v = np.asarray(values)[order]
+    order = np.argsort(-values, kind="stable")  # ties: lower position first
+    v = values[order]
     m = np.arange(len(v) + 1)
     gain = np.concatenate([[0.0], np.cumsum(v)])
     t = np.asarray(costs.verify_time(base_tokens + m), dtype=np.float64)
@@ -116,9 +117,7 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     rate = (r + gain) / t
     best = int(np.argmax(rate))
     draft_rate = float(np.max((r + gain) / (t + d)))
-    kept = [0] * r
-    for idx in order[:best]:
-        kept[rows[idx]] += 1
+    kept = np.bincount(rows[order[:best]], minlength=r).tolist()
     return Allocation(kept, float(r + gain[best]), float(t[best]), plain_rate, float(rate[best]),
                       draft_rate, draft_rate > plain_rate * (1.0 + margin))
 
