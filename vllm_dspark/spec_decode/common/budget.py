@@ -283,11 +283,15 @@ class BudgetPolicy:
       the wait. No probe is made when even a drafter that is always accepted
       could not pay under the cost model.
     * ``drafting``: every step drafts, and :func:`allocate` decides what is
-      verified. When its forecast says the next step's drafting will not pay,
-      back to ``waiting``.
+      verified. When its forecast and the measured levels both say the next
+      step's drafting will not pay, back to ``waiting``.
     * ``blocked``: ``reject_run`` drafting steps in a row had every verified draft
       rejected. Nothing is admitted but probes (with the doubling wait) until a
       probe is accepted.
+
+    A drafter unmeasured for ``STALE_STEPS`` planned steps (``LOAD_STALE_STEPS`` after a load
+    change) has its evidence softened (:meth:`Calibrator.soften`) and its wait restarted, so
+    that old evidence cannot keep it out of use on a workload it never saw.
 
     Greedy and sampled requests are measured apart (a sampled draft is accepted
     by a different rule), but they share one wait. So when requests of a mode
