@@ -261,6 +261,11 @@ class ProbeRhythm:
         self.period = max(self.shortest, self.period // 2)
         self.wait = min(self.wait, self.period)
 
+    def look_now(self) -> None:
+        """Look at the next step and back off afresh from the shortest period (the load changed, or
+        the evidence that set the wait was softened)."""
+        self.period, self.wait = self.shortest, 0
+
     def due(self) -> bool:
         """Count one step; True (and a new wait begins) when the wait is over."""
         self.wait -= 1
@@ -400,7 +405,7 @@ class BudgetPolicy:
             # 256 steps where it paid (copy set: 0.67 tokens accepted a draft, 5 ms a forward, 25 ms a step).
             if self.draft_pays_next or self._pays(self.level_survival(sampled), caps):
                 return DRAFT
-            self.state = "waiting"  # the allocation's forecast says the next drafting step will not pay
+            self.state = "waiting"  # neither the allocation nor the levels say the next drafting step pays
             self.rhythm.rejected()
             self.wait_batch = r
         self.unmeasured += 1
@@ -410,13 +415,12 @@ class BudgetPolicy:
             # batch 8, where the copies left the drafter few rows and those were rejected, kept it from
             # drafting at batch 1 after (HumanEval: 24 of 151 steps without a draft before the drafter's
             # forward was priced against the copies, 176 of 231 after, in one lockstep run).
-            self.rhythm.wait = 0
-            self.rhythm.period = self.rhythm.shortest
+            self.rhythm.look_now()
         if self.unmeasured >= (LOAD_STALE_STEPS if load_changed else STALE_STEPS):
             # Old evidence would keep its upper bound shut (so no probe) on a workload it never saw.
             self.calibrator.soften(STALE_EVIDENCE)
             self.unmeasured = 0
-            self.rhythm.wait, self.rhythm.period = 0, self.rhythm.shortest
+            self.rhythm.look_now()
             self.counters["softened"] += 1
         fresh = self._fresh_rows(caps, sampled)
         if fresh and not self._fresh_present:
