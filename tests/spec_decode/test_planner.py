@@ -183,10 +183,19 @@ def test_a_verification_rule_gives_each_request_the_source_that_promises_more(ru
 def test_a_sources_own_cost_is_learnt_from_a_profile_and_fixed_by_a_given_table():
     learnt = C.CostModel(verify=[(1, 0.03), (64, 0.06)], draft=[(1, 0.01), (64, 0.02)])
     assert not learnt.has_source(COPY_SOURCE)
+    learnt.observe_source(COPY_SOURCE, 2, 0.040)  # the first step runs cold: not learnt
+    assert not learnt.has_source(COPY_SOURCE)
     learnt.observe_source(COPY_SOURCE, 1, 0.004)
-    learnt.observe_source(COPY_SOURCE, 8, 0.010)
     assert learnt.draft_time(1, COPY_SOURCE) == pytest.approx(0.004)
-    assert learnt.draft_time(4, COPY_SOURCE) == pytest.approx(0.004 + 3 * 0.006 / 7)
+    assert learnt.draft_time(8, COPY_SOURCE) == pytest.approx(0.004)  # one point: flat
+    # A new batch size starts from the curve and moves as an EMA: one slow step there (a stall, or its
+    # first run) cannot price the size at its own time.
+    learnt.observe_source(COPY_SOURCE, 8, 0.100)
+    assert learnt.draft_time(8, COPY_SOURCE) == pytest.approx(0.004 + 0.1 * (4 * 0.004 - 0.004))
+    for _ in range(200):
+        learnt.observe_source(COPY_SOURCE, 8, 0.010)
+    assert learnt.draft_time(8, COPY_SOURCE) == pytest.approx(0.010, rel=1e-3)
+    assert learnt.draft_time(4, COPY_SOURCE) == pytest.approx(0.004 + 3 * 0.006 / 7, rel=1e-3)
     given = C.CostModel.from_dict({"verify": [[1, 0.03]], "draft": [[1, 0.01]],
                                    "sources": {COPY_SOURCE: [[1, 0.002]]}}, given=True)
     given.observe_source(COPY_SOURCE, 1, 1.0)  # a busy machine's step: not learnt

@@ -18,6 +18,9 @@ import numpy as np
 
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
 
+# Steps a source is observed on before its cost is learnt (see CostModel.observe_source).
+SOURCE_COLD_STEPS = 1
+
 
 @dataclass
 class CostModel:
@@ -61,6 +64,7 @@ class CostModel:
     # its shape, as it keeps its sources' costs).
     shape_verify: list[float] = field(default_factory=list)
     learn_shape: bool = True
+    sources_seen: dict[str, int] = field(default_factory=dict)  # steps each source was observed on
 
     def __post_init__(self) -> None:
         if not self.verify or not self.draft:
@@ -100,11 +104,22 @@ class CostModel:
     def observe_source(self, source: str, requests: int, seconds: float) -> None:
         """A step on which only ``source`` drafted took the proposer ``seconds`` past its plan, for
         ``requests`` requests: that source's own cost of a step that sends its drafts, learnt per batch
-        size (an EMA per size, the first observation taken as it is)."""
+        size (an EMA per size).
+
+        One cold step must not set a price. The first step a source sends in a process runs its code
+        paths for the first time: in a lockstep run the copy's first step (batch 2) took 3.8 ms against
+        0.3-0.6 ms after, and extrapolated from there a batch of 8 was priced at 25 ms until one was seen.
+        So that step is not learnt, and a batch size seen for the first time starts from the curve the
+        other sizes drew and moves like any EMA (a stalled first step at batch 7 had set 5.3 ms there)."""
         if not self.learn_sources:
+            return
+        seen = self.sources_seen[source] = self.sources_seen.get(source, 0) + 1
+        if seen <= SOURCE_COLD_STEPS:
             return
         points = dict(self.source_draft.get(source, []))
         old = points.get(requests)
+        if old is None and points:
+            old = float(_interp(sorted(points.items()), requests))
         points[requests] = float(seconds) if old is None else _ema(old, float(seconds), 0.1)
         self.source_draft[source] = sorted(points.items())
 
