@@ -211,8 +211,20 @@ def _build(pair: Pair, order: list[EngineConfig], cells: list, *, repeats: int, 
                 now = dspark_report(engines[n])
                 assert now is not None and was is not None
                 deltas[n] = {k: _delta(now[k], was[k]) for k in ("stats", "timings_s")}
+                log(f"[{tag}] [{n}] {cells[ci][0]} C={c}: {policy_line(deltas[n]['stats'], now)}")
             out[ci] = {"runs": runs, "dspark": deltas}
     return out
+
+
+def policy_line(stats: dict, report: dict) -> str:
+    """What a DSpark engine did in a cell and the state its budget ended in: a record whose drafter sat idle
+    says so in the run's log (drafts / verified / accepted per source)."""
+    by = "; ".join(f"{k} {v['drafts']}/{v['verified']}/{v['accepted']}" for k, v in stats["by_source"].items())
+    p, c = report["policy"], report.get("costs") or {}
+    return (f"{stats['steps']} steps, {stats['steps_skipped']} without a draft; drafts/verified/accepted: "
+            f"{by or 'none'}; budget {p['state']} (period {p['period']}, wait {p['wait']}, stops {p['stops']}, "
+            f"softened {p['softened']}); cost scales verify {c.get('scale_verify', 1):.2f}, "
+            f"draft {c.get('scale_draft', 1):.2f}")
 
 
 def _sum(a: dict, b: dict) -> dict:

@@ -140,6 +140,12 @@ def test_lockstep_on_the_toy_pair_is_lossless_and_every_engine_stepped():
     shared = [m for m in logs if "target weights" in m]
     assert len(shared) == 6 and all(int(m.split("(")[1].split()[0]) > 10 for m in shared), shared
     assert by["fixed-3"]["lockstep"]["shared_weights"] is True
+    # Each build logs what the drafter's engine did in the cell: its drafts by source and the budget's state.
+    cell_lines = [m for m in logs if "[fixed-3]" in m and "drafts/verified/accepted" in m]
+    assert len(cell_lines) == 2 and all(" C=2: " in m and "; budget " in m for m in cell_lines), cell_lines
+    logged = [m.split("accepted: dspark ")[1].split(";")[0].split("/") for m in cell_lines]
+    row = by["fixed-3"]["dspark"]["stats"]["by_source"]["dspark"]
+    assert [sum(int(x[i]) for x in logged) for i in range(3)] == [row["drafts"], row["verified"], row["accepted"]]
 
 
 def test_a_set_smaller_than_its_cell_repeats_and_a_larger_one_is_cut():
