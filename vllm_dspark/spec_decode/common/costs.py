@@ -116,10 +116,11 @@ class CostModel:
         seen = self.sources_seen[source] = self.sources_seen.get(source, 0) + 1
         if seen <= SOURCE_COLD_STEPS:
             return
-        points = dict(self.source_draft.get(source, []))
+        curve = self.source_draft.get(source, [])
+        points = dict(curve)
         old = points.get(requests)
-        if old is None and points:
-            old = float(_interp(sorted(points.items()), requests))
+        if old is None and curve:
+            old = float(_interp(curve, requests))  # the kept curve is sorted already
         points[requests] = float(seconds) if old is None else _ema(old, float(seconds), 0.1)
         self.source_draft[source] = sorted(points.items())
 
