@@ -219,6 +219,26 @@ def test_calibrator_tables_are_recomputed_after_every_change():
     assert np.all(cal.levels()[0] > seeded[0])
 
 
+def test_a_steps_verdicts_at_once_leave_the_tables_as_one_by_one():
+    """``observe_many`` (the budget's feedback, a step at a time) must fade and count exactly as ``observe``
+    called per request in turn: greedy and sampled mixed, empty and fully accepted drafts, a short memory."""
+    rng = np.random.default_rng(0)
+    one, many = K.Calibrator(num_positions=7, memory=50.0), K.Calibrator(num_positions=7, memory=50.0)
+    for _ in range(200):
+        items = []
+        for _ in range(int(rng.integers(0, 9))):
+            verified = int(rng.integers(0, 8))
+            accepted = int(rng.integers(0, verified + 1))
+            items.append((rng.random(7).tolist(), verified, accepted, bool(rng.random() < 0.3)))
+        for it in items:
+            one.observe(*it)
+        many.observe_many(items)
+    for name in ("hits", "counts", "pred_sum", "total_hits", "total_counts", "total_pred"):
+        np.testing.assert_allclose(getattr(many, name), getattr(one, name), rtol=1e-10, atol=1e-12, err_msg=name)
+    assert one.total_counts.sum() > 1000  # the walk verified enough to test something
+    np.testing.assert_allclose(many.levels(), one.levels(), rtol=1e-10)
+
+
 def test_optimistic_levels_shrink_with_evidence():
     cal = K.Calibrator(num_positions=3)
     np.testing.assert_allclose(cal.levels_optimistic()[0], [1.0, 1.0, 1.0])  # nothing measured: could be anything

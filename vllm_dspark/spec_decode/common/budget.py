@@ -346,8 +346,9 @@ class BudgetPolicy:
         seen = [f for f in map(Feedback.of, results) if f.verified > 0]
         # What was expected of the drafter's first positions (before they are observed).
         first = self.calibrator.levels()[:, 0]
-        for f in seen:
-            self.calibrator_of(f.source).observe(f.confidence, f.verified, f.accepted, f.sampled)
+        for source in dict.fromkeys(f.source for f in seen):
+            self.calibrator_of(source).observe_many([(f.confidence, f.verified, f.accepted, f.sampled)
+                                                     for f in seen if f.source == source])
         # The states below are the drafter's: another source's drafts (a copy) are no evidence of it.
         seen = [f for f in seen if f.source == MODEL_SOURCE]
         if not seen:
