@@ -51,12 +51,15 @@ class SuffixIndex:
         if len(new) > _BULK:
             self._extend_bulk(new)
             return
-        toks = self.tokens
+        toks, tables, lo = self.tokens, self._last_end, self.min_match
         for t in new:
             end = len(toks) - 1  # the previous newest token becomes indexable
-            hashes = _hashes_ending(toks, end, min(self.max_match, end + 1))
-            for n in range(self.min_match, len(hashes) + 1):
-                self._last_end[n][hashes[n - 1]] = end
+            # _hashes_ending inlined: this runs for every accepted token of every request, every step.
+            h = 0
+            for n in range(1, min(self.max_match, end + 1) + 1):
+                h = (h + (toks[end - n + 1] + 1) * _POW[n - 1]) & _MASK
+                if n >= lo:
+                    tables[n][h] = end
             toks.append(t)
 
     def _extend_bulk(self, new: list[int]) -> None:
