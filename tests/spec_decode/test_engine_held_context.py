@@ -120,3 +120,27 @@ def test_held_context_of_finished_requests_never_lands_in_reused_blocks(qwen_pai
     held = report["held_context"]
     assert held["enabled"] and held["dropped_tokens"] > 0, held  # the first batch left context held
     assert held["before_glue_steps"] > 0, held  # and held it without the runner's draft glue
+
+
+COPIES_PAY = {"verify": [[1, 0.01], [512, 0.0101]], "draft": [[1, 1.0], [64, 1.0]], "sources": {"copy": [[1, 0.0]]}}
+
+
+def test_copy_steps_are_planned_and_sent_before_the_glue(qwen_pair, prompts, qwen_baseline):
+    """With the copy on (the default), a decode-only step without drafts is planned before the runner's
+    draft glue from the tokens the requests just sampled (patch v1-runner-no-draft-glue): it holds its
+    context and sends what the copy offers, or nothing. Verification is free and the drafter's forward
+    never pays here, so every draft is a copy; the output must be the target's, and some copies must
+    have been sent from that path (else the test proves nothing about it)."""
+    from vllm import SamplingParams
+
+    spec = {"method": "dspark", "model": qwen_pair["draft"], "num_speculative_tokens": 7,
+            "dspark": {"verification": "budget", "costs": COPIES_PAY}}
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    with llm_engine(qwen_pair["target"], speculative_config=spec) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        report = dspark_report(llm)
+    assert [list(o.outputs[0].token_ids) for o in outs] == qwen_baseline
+    held = report["held_context"]
+    assert held["copy_steps_before_glue"] > 0 and held["before_glue_steps"] > held["copy_steps_before_glue"], held
+    by_source = report["stats"]["by_source"]
+    assert by_source.get("copy", {}).get("accepted", 0) > 0, by_source  # copies were verified and accepted

@@ -25,8 +25,9 @@
 4. ``GPUModelRunner.propose_draft_token_ids``: a decode-only step with no
    draft in the batch asks the DSpark proposer for its plan before upstream's
    draft glue (next-token and rejected-count preparation, the drafter's query
-   metadata), and skips the glue when the step only holds its context
-   (``DSparkProposer.propose_before_glue``).
+   metadata), and skips the glue when the step only holds its context or only
+   the copy drafts (``DSparkProposer.propose_before_glue``). Each request's
+   next token is then the one it sampled (``_sampled_once``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,19 @@ def _glue_free(runner, scheduler_output, aux_hidden_states, spec_decode_metadata
             and scheduler_output.total_num_scheduled_tokens == runner.input_batch.num_reqs)
 
 
+def _sampled_once(runner, sampled_token_ids, n: int) -> torch.Tensor | None:
+    """[n] the token each request sampled in a step that ran one token per request and verified no draft:
+    the next token upstream's glue would prepare for it. None where the glue must decide (a request whose
+    token is discarded, a partial prefill, or tokens not held as a [requests, 1 + drafts] tensor)."""
+    if not isinstance(sampled_token_ids, torch.Tensor) or sampled_token_ids.dim() != 2 \
+            or sampled_token_ids.shape[0] < n or sampled_token_ids.shape[1] < 1:
+        return None
+    if bool(runner.discard_request_mask.np[:n].any()):
+        return None
+    tokens = sampled_token_ids[:n, 0]
+    return None if bool((tokens < 0).any()) else tokens
+
+
 def _make_propose_draft_token_ids(original):
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,
                                 sample_hidden_states, aux_hidden_states, spec_decode_metadata,
@@ -86,7 +100,7 @@ def _make_propose_draft_token_ids(original):
             self._draft_prob_req_ids = None
             out = early(scheduler_output.num_spec_tokens_to_schedule, common_attn_metadata, sampling_metadata, n,
                         lambda: torch.cat([h[:n] for h in aux_hidden_states], dim=-1),
-                        lambda: self._get_positions(n))
+                        lambda: self._get_positions(n), lambda: _sampled_once(self, sampled_token_ids, n))
             if out is not None:
                 return out
         return original(self, scheduler_output, sampled_token_ids, sampling_metadata, hidden_states,

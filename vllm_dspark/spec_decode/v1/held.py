@@ -41,34 +41,45 @@ class HeldContext:
     _decide: Callable[..., Any]
     _lap: Callable[[str, float], float]
     _no_drafts: Callable[..., list]
+    _send_copies: Callable[..., list]
     set_inputs_first_pass: Callable[..., Any]
 
     def propose_before_glue(self, num_speculative_tokens, cad, sampling_metadata, num_tokens: int,
-                            states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor]):
+                            states: Callable[[], torch.Tensor], positions: Callable[[], torch.Tensor],
+                            sampled: Callable[[], torch.Tensor | None] = lambda: None):
         """A decode-only step with no drafts in it, decided before the runner's draft glue (patch
-        ``v1-runner-no-draft-glue``). Returns the step's empty proposals when it only holds its
-        context; None when the runner must take its full path to :meth:`propose`, which then uses
-        the plan made here (a plan is made once a step: under TP it is a broadcast).
+        ``v1-runner-no-draft-glue``). Returns the step's proposals when it holds its context and sends
+        nothing or only copies; None when the runner must take its full path to :meth:`propose`, which
+        then uses the plan made here (a plan is made once a step: under TP it is a broadcast).
 
         The glue it skips prepares the next tokens, the rejected counts and the drafter's query
-        metadata: 0.3-0.4 ms of a 30 ms step at batch 1, none of it read by a step that holds.
-        ``states`` and ``positions`` give the target's aux hidden states and positions of the
-        step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`.
+        metadata: 0.3-0.4 ms of a 30 ms step at batch 1, none of it read by a step the drafter sits
+        out. ``states`` and ``positions`` give the target's aux hidden states and positions of the
+        step's ``num_tokens`` tokens, as upstream's glue would hand them to :meth:`propose`; ``sampled``
+        each request's sampled token (its next token: no draft was verified), None where the glue must
+        decide. With the copy on (the default) a step cannot be planned without it: the copy drafts
+        from each request's text, this step's token included.
         """
         st = self.state
         if self.planner.sent or not (st.hold_ok and st.hold_checked) or int(cad.max_query_len) != 1:
             return None  # feedback needs the rejected counts, or the first hold checks the layout
-        if self.text_sources:
-            return None  # a text source weighs this step's new token, which the glue prepares
-        d = self._decide(num_speculative_tokens, cad, None, sampling_metadata)
-        if d.plan.mode is not PlanMode.SKIP:
+        next_tokens = sampled() if self.text_sources else None
+        if self.text_sources and next_tokens is None:
+            return None
+        d = self._decide(num_speculative_tokens, cad, None, sampling_metadata, next_tokens)
+        copies_only = d.plan.runs and not d.plan.drafter_runs
+        if d.plan.mode is not PlanMode.SKIP and not copies_only:
             st.decided = d
             return None
         t1 = self._flush_if_due(d.plan, True, d.req_ids, d.t1)
         self.pending.hold(d.req_ids, states(), positions()[:num_tokens], cad.slot_mapping[:num_tokens])
         st.before_glue_steps += 1
-        self._lap("held", t1)
-        return self._no_drafts(d)
+        t1 = self._lap("held", t1)
+        if not copies_only:
+            return self._no_drafts(d)
+        st.copy_steps_held += 1
+        st.copy_steps_before_glue += 1
+        return self._send_copies(d, next_tokens, t1, t1)
 
     def _flush_if_due(self, plan: Plan, holdable: bool, req_ids: list[str], t1: float, tokens: int = 1) -> float:
         """Store the held context when this step cannot join it (:mod:`.context_kv`): the drafter runs, the

@@ -38,6 +38,7 @@ class StepState:
     step_marks: int = 0
     before_glue_steps: int = 0
     copy_steps_held: int = 0  # steps only the copy drafted in whose accepted context rows were held
+    copy_steps_before_glue: int = 0  # of which planned and sent before the runner's draft glue
     copy_only_steps: int = 0  # steps only the copy drafted in, and the proposer's seconds on them (item 4's
     copy_only_s: float = 0.0  # measure: what a copy step costs beside the target's verify)
     rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
