@@ -210,3 +210,28 @@ def test_a_copy_that_does_not_pay_for_its_own_step_is_declined():
     costs = C.CostModel(verify=[(1, 0.030), (64, 0.030 + 63 * 0.001)], draft=[(1, 0.01), (64, 0.02)])
     assert sum(budget.allocate(surv, [N], costs).kept) == N
     assert sum(budget.allocate(surv, [N], costs, source_cost=0.2).kept) == 0  # 0.2 s a step: never pays
+
+
+def test_with_nothing_to_copy_the_forward_runs_only_where_the_drafter_alone_pays():
+    """The drafting state can stand on copies: the budget's last allocation priced both sources. A step with
+    nothing to copy then runs the drafter's forward only where its own measured levels pay for it; with the
+    copy off the drafting state is the drafter's own forecast, and stands."""
+    # A 30 ms step up to 8 tokens, 1 ms a token past it, a 12 ms forward (batch 8 on the 2-core EPYC, roughly).
+    costs = C.CostModel(verify=[(1, 0.030), (8, 0.030), (64, 0.086)], draft=[(1, 0.012), (8, 0.012)])
+    caps, greedy = [N] * 8, np.zeros(8, bool)
+    nothing = CopyDrafts(np.zeros((8, N)), [0] * 8)
+    plans = {}
+    for copy in ("auto", "off"):
+        p = StepPlanner(settings(copy=copy), N, decide_log()[0])
+        p.costs = costs
+        p.policy.state, p.policy.draft_pays_next = "drafting", True
+        plans[copy] = p.plan(caps, greedy, nothing if copy == "auto" else None)
+        assert p.policy.state == "drafting", copy  # a skipped forward leaves the state to the copies
+        if copy == "auto":
+            assert not p.policy.drafter_pays(caps, greedy)  # the unproven drafter's pessimistic levels
+            for _ in range(200):  # a drafter accepted 90% a position
+                p.policy.feedback(PlanMode.DRAFT, [budget.Feedback([0.9] * N, N, N, False)])
+            assert p.policy.drafter_pays(caps, greedy)
+            assert p.plan(caps, greedy, nothing).drafter_runs
+    assert plans["auto"].mode is PlanMode.SKIP and not plans["auto"].runs
+    assert plans["off"].drafter_runs

@@ -385,6 +385,10 @@ class BudgetPolicy:
         lv = self.calibrator.levels_optimistic() if optimistic else self.calibrator.levels()
         return survival(lv[np.asarray(sampled, dtype=np.int64)])
 
+    def drafter_pays(self, caps: Sequence[int], sampled: np.ndarray) -> bool:
+        """Whether the drafter's forward, for these requests alone, pays by its measured levels."""
+        return self._pays(self.level_survival(sampled), caps)
+
     def _pays(self, surv: np.ndarray, caps: Sequence[int]) -> bool:
         assert self.costs is not None
         return allocate(surv, caps, self.costs, margin=self.margin).draft_pays
