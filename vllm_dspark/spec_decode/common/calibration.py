@@ -123,27 +123,7 @@ class Calibrator:
 
     def observe(self, conf: Sequence[float], verified: int, accepted: int, sampled: bool) -> None:
         """One request's verified drafts: positions < accepted were accepted, position ``accepted`` was not."""
-        if verified <= 0:
-            return
-        self._derived.clear()
-        m = int(sampled)
-        if self.memory > 0:
-            keep = 1.0 - 1.0 / self.memory
-            self.hits[m] *= keep
-            self.counts[m] *= keep
-            self.pred_sum[m] *= keep
-        last = min(accepted, verified - 1)
-        # One array update per table (positions are distinct, so no index repeats): element by element it
-        # took up to 48 scalar updates a request, every request of every step.
-        js = np.arange(last + 1)
-        cs = np.asarray(conf[: last + 1], dtype=np.float64)
-        bs = self._bin(cs)
-        hit = (js < accepted).astype(np.float64)
-        for cnt, hits, pred in ((self.counts, self.hits, self.pred_sum),
-                                (self.total_counts, self.total_hits, self.total_pred)):
-            cnt[m, js, bs] += 1
-            pred[m, js, bs] += cs
-            hits[m, js, bs] += hit
+        self.observe_many([(conf, verified, accepted, sampled)])
 
     def observe_many(self, items: Sequence[tuple[Sequence[float], int, int, bool]]) -> None:
         """A step's verdicts at once, ``(conf, verified, accepted, sampled)`` per request: the tables end as

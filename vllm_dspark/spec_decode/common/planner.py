@@ -123,18 +123,16 @@ class StepPlanner:
             raise RuntimeError("vllm_dspark: budgeted verification has no cost model; the worker's warm-up "
                                "hook did not run (is the vllm_dspark plugin registered in the worker?)")
 
+        # With the copy on, what it offers this step says whether the drafting state's forecast (both
+        # sources priced together) speaks for the drafter's forward (BudgetPolicy.plan).
+        copies = self.copy_policy is not None and copy is not None and any(copy.lengths)
+        nothing_to_copy = self.copy_policy is not None and not copies
+
         def plan() -> tuple:
-            p = self.policy.plan(caps, sampled)
-            if self.copy_policy is None:
-                return p.to_wire()
-            if copy is not None and any(copy.lengths):
-                return self.copy_policy.plan(p, copy.confidence, copy.lengths, caps, sampled).to_wire()
-            if p.mode is PlanMode.DRAFT and not self.policy.drafter_pays(caps, sampled):
-                # Nothing to copy this step, and the drafter's measured levels do not pay for its forward
-                # alone. The drafting state can stand on copies (the budget's last allocation priced both
-                # sources together): on such a step it ran the forward anyway, and at batch 8 on HumanEval
-                # that forward (12 ms a step) bought 47 accepted tokens of 484 verified in a 452-step cell.
-                return budget.SKIP.to_wire()
+            p = self.policy.plan(caps, sampled, nothing_to_copy=nothing_to_copy)
+            if copies:
+                assert self.copy_policy is not None and copy is not None
+                p = self.copy_policy.plan(p, copy.confidence, copy.lengths, caps, sampled)
             return p.to_wire()
 
         return Plan.from_wire(self.decide(plan))
