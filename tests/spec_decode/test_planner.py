@@ -214,8 +214,10 @@ def test_a_copy_that_does_not_pay_for_its_own_step_is_declined():
 
 def test_with_nothing_to_copy_the_forward_runs_only_where_the_drafter_alone_pays():
     """The drafting state can stand on copies: the budget's last allocation priced both sources. A step with
-    nothing to copy then runs the drafter's forward only where its own measured levels pay for it; with the
-    copy off the drafting state is the drafter's own forecast, and stands."""
+    nothing to copy then runs the drafter's forward only where its own measured levels pay for it, and
+    otherwise ends the drafting state as failing levels do, so the drafter's probes resume (nothing measures
+    it in that state while its forward is skipped). With the copy off the drafting state is the drafter's
+    own forecast, and stands."""
     # A 30 ms step up to 8 tokens, 1 ms a token past it, a 12 ms forward (batch 8 on the 2-core EPYC, roughly).
     costs = C.CostModel(verify=[(1, 0.030), (8, 0.030), (64, 0.086)], draft=[(1, 0.012), (8, 0.012)])
     caps, greedy = [N] * 8, np.zeros(8, bool)
@@ -226,12 +228,18 @@ def test_with_nothing_to_copy_the_forward_runs_only_where_the_drafter_alone_pays
         p.costs = costs
         p.policy.state, p.policy.draft_pays_next = "drafting", True
         plans[copy] = p.plan(caps, greedy, nothing if copy == "auto" else None)
-        assert p.policy.state == "drafting", copy  # a skipped forward leaves the state to the copies
-        if copy == "auto":
-            assert not p.policy.drafter_pays(caps, greedy)  # the unproven drafter's pessimistic levels
-            for _ in range(200):  # a drafter accepted 90% a position
-                p.policy.feedback(PlanMode.DRAFT, [budget.Feedback([0.9] * N, N, N, False)])
-            assert p.policy.drafter_pays(caps, greedy)
-            assert p.plan(caps, greedy, nothing).drafter_runs
-    assert plans["auto"].mode is PlanMode.SKIP and not plans["auto"].runs
-    assert plans["off"].drafter_runs
+        assert p.policy.state == ("waiting" if copy == "auto" else "drafting"), copy
+    assert plans["auto"].mode is not PlanMode.DRAFT  # at most a probe's few rows (this drafter is unmeasured)
+    assert plans["off"].mode is PlanMode.DRAFT
+
+    # After it, the drafter is looked at again within its wait, and drafts once its levels pay.
+    p = StepPlanner(settings(copy="auto"), N, decide_log()[0])
+    p.costs = costs
+    p.policy.state, p.policy.draft_pays_next = "drafting", True
+    assert not p.policy.drafter_pays(caps, greedy)  # the unproven drafter's pessimistic levels
+    assert p.plan(caps, greedy, nothing).mode is not PlanMode.DRAFT
+    for _ in range(200):  # a drafter accepted 90% a position
+        p.policy.feedback(PlanMode.DRAFT, [budget.Feedback([0.9] * N, N, N, False)])
+    assert p.policy.drafter_pays(caps, greedy)
+    modes = [p.plan(caps, greedy, nothing) for _ in range(p.policy.rhythm.period + 1)]
+    assert any(m.drafter_runs for m in modes) and p.policy.state == "drafting"
