@@ -451,6 +451,39 @@ def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     assert P.drop_cached(f) and not f.exists() and not P.drop_cached(f) and not P.drop_cached(None)
 
 
+def test_a_verify_point_times_the_target_and_its_logits_without_the_drafter():
+    """vLLM's dummy run also runs the drafter's dummy forward and scores one token a request: the verify
+    curve came out flat up to 16 tokens. The point runs the target with the drafter's dummy run shadowed,
+    scores every token, and leaves the drafter as it was."""
+    import types
+
+    import torch
+
+    from vllm_dspark.spec_decode.common import profile as P
+
+    calls: list = []
+
+    class Drafter:
+        def dummy_run(self, n, **kwargs):
+            calls.append(("drafter", n))
+
+    drafter = Drafter()
+
+    def dummy_run(n, force_attention=False):
+        drafter.dummy_run(n)  # as vLLM's _dummy_run does
+        calls.append(("target", n, force_attention))
+        hidden = torch.zeros(n, 3)
+        return hidden, hidden[-1:]
+
+    logits = types.SimpleNamespace(compute_logits=lambda h: calls.append(("logits", len(h))))
+    runner = types.SimpleNamespace(drafter=drafter, _dummy_run=dummy_run, model=logits)
+    P._verify_fn(types.SimpleNamespace(runner=runner), 8)()
+    assert calls == [("target", 8, True), ("logits", 8)]
+    assert "dummy_run" not in vars(drafter)  # the method again
+    drafter.dummy_run(1)
+    assert calls[-1] == ("drafter", 1)
+
+
 def test_a_load_change_starts_the_backoff_afresh():
     # Probes rejected at batch 8 doubled the wait to its longest; at batch 1 the drafter looks at once and
     # backs off from the shortest period again (the evidence for the long wait was another load's).

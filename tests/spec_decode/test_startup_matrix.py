@@ -128,7 +128,8 @@ def _stand_in(vc, model):
         vllm_config=vc, settings=s, model=model, block=s.block_size, n_draft=s.num_draft_tokens,
         hidden_states=torch.randn(MAX_SEQS * s.block_size, model.config.hidden_size),
         dummy_run=lambda n, use_cudagraphs=True: dummy_runs.append(n),
-        runner=types.SimpleNamespace(_dummy_run=lambda n, force_attention=False: None),
+        runner=types.SimpleNamespace(_dummy_run=lambda n, force_attention=False: (torch.zeros(n, 4),) * 2,
+                                     model=types.SimpleNamespace(compute_logits=lambda hidden: hidden)),
         _stage=None, _stage_src=None, _lap=lambda part, since: time.perf_counter(), dummy_runs=dummy_runs)
     p.markov_stage = DSparkProposer.markov_stage.fget(p)
     return p, s
