@@ -451,6 +451,21 @@ def test_a_stale_cached_profile_is_profiled_again_and_can_be_dropped(tmp_path):
     assert P.drop_cached(f) and not f.exists() and not P.drop_cached(f) and not P.drop_cached(None)
 
 
+def test_a_loaded_profile_starts_from_what_the_spot_check_measured():
+    """Within the spot check's tolerance a cached profile is kept, and its corrections start where the
+    spot check found the machine: a drafter cached 1.8x too slow is priced at its current cost at once."""
+    from vllm_dspark.spec_decode.common import profile as P
+
+    cached = C.CostModel(verify=[(1, 0.020), (8, 0.024)], draft=[(1, 0.009), (4, 0.012)])
+    spot = {"verify_1": 0.022, "draft_1": 0.005}
+    assert P.judge_spot_check(cached, spot) is None
+    P.seed_scales(cached, spot)
+    assert cached.verify_time(1) == pytest.approx(0.022) and cached.draft_time(1) == pytest.approx(0.005)
+    assert cached.verify_time(8) == pytest.approx(0.024 * 1.1)  # the whole curve moves with its scale
+    P.seed_scales(cached, {"verify_1": 1.0, "draft_1": 0.0})  # past the tolerance: clamped to it
+    assert (cached.scale_verify, cached.scale_draft) == (P.SPOT_TOLERANCE, 1 / P.SPOT_TOLERANCE)
+
+
 def test_a_verify_point_times_the_target_and_its_logits_without_the_drafter():
     """vLLM's dummy run also runs the drafter's dummy forward and scores one token a request: the verify
     curve came out flat up to 16 tokens. The point runs the target with the drafter's dummy run shadowed,

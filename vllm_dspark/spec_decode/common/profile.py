@@ -22,7 +22,8 @@ is not trusted blindly:
 * at load, a **spot check** times the 1-token verify step and the 1-request
   draft step again (8 dummy runs); when either differs from the cache by more
   than :data:`SPOT_TOLERANCE` x, the profile is taken again (the cached one was
-  taken while the machine was busy, or on another state of it);
+  taken while the machine was busy, or on another state of it); otherwise the
+  online corrections start from the ratios it measured (:func:`seed_scales`);
 * while serving, the online corrections
   (:class:`~vllm_dspark.spec_decode.common.costs.CostModel`) track the machine's load;
   when one stays far from 1 for long (:attr:`CostModel.stale`), the proposer
@@ -193,6 +194,19 @@ def judge_spot_check(cached: C.CostModel, spot: dict[str, float], tolerance: flo
     return None
 
 
+def seed_scales(model: C.CostModel, spot: dict[str, float]) -> None:
+    """Start the online corrections at what the spot check measured now (the deciding rank's numbers).
+
+    A cached profile within the spot check's tolerance was otherwise loaded as it was, and only steps
+    correct it, the drafter's cost only on steps it drafts in full. A draft point cached 1.5-2x too slow (a
+    profile taken beside other work) could then price the drafter out of its probes, and nothing ever
+    measured it again."""
+    for name, current, attr in (("verify_1", model.verify_time(1), "scale_verify"),
+                                ("draft_1", model.draft_time(1), "scale_draft")):
+        scale = getattr(model, attr) * spot[name] / max(float(current), 1e-12)
+        setattr(model, attr, min(max(scale, 1.0 / SPOT_TOLERANCE), SPOT_TOLERANCE))
+
+
 def _lookup(path: Path, use_cache: bool, hook: dict) -> dict | None:
     if hook.get("cached_costs") is not None:
         return dict(hook["cached_costs"])
@@ -237,10 +251,11 @@ def profile_or_load(proposer, consensus: Consensus | None = None, hook: dict | N
         candidate = C.CostModel.from_dict(cached, source=f"cache {path}")
         # 2. Does it still describe this machine? Every rank runs the spot check; the decider judges.
         spot = spot_check(proposer, scale, cons)
-        why = cons.decide(lambda: judge_spot_check(candidate, spot))
+        why, seen = cons.decide(lambda: (judge_spot_check(candidate, spot), spot))
         info.update(spot_check={k: round(v, 6) for k, v in spot.items()}, stale_at_load=why)
         if why is None:
             model = candidate
+            seed_scales(model, seen)
             model.cache_path = str(path) if use_cache else None
             info["decision"] = "loaded"
         else:
