@@ -140,8 +140,8 @@ def test_the_ranks_run_as_many_dummy_runs_when_one_ranks_first_run_is_long(monke
         return
     assert all(isinstance(results[r], C.CostModel) for r in (0, 1)), results
     assert proposers[0].dummy_runs == proposers[1].dummy_runs
-    # 3 verify sizes (1, 2, 4 tokens) and 2 draft sizes, each an untimed run and PROFILE_REPS timed ones.
-    assert proposers[0].dummy_runs == 5 * (1 + P.PROFILE_REPS)
+    # 4 verify sizes (1 to 4 tokens) and 2 draft sizes, each an untimed run and PROFILE_REPS timed ones.
+    assert proposers[0].dummy_runs == 6 * (1 + P.PROFILE_REPS)
     assert (results[0].verify, results[0].draft) == (results[1].verify, results[1].draft)
 
 

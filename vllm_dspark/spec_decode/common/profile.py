@@ -2,16 +2,17 @@
 
 Runs once when the engine is warm (the worker patch calls
 ``DSparkProposer.on_engine_ready``): the target's forward, and the logits of every
-token, on dummy batches of 1, 2, 4, ... tokens (the drafter left out) up to the
-largest verify batch the scheduler can build (at most :data:`PROFILE_MAX_TOKENS`),
+token, on dummy batches of every size up to 16 tokens and powers of two beyond (the drafter
+left out: :func:`_verify_fn`) up to the largest verify batch the scheduler can build (at most
+:data:`PROFILE_MAX_TOKENS`),
 and the drafter's block forward plus its sequential stage for 1, 2, 4, ... requests
 (at most :data:`PROFILE_MAX_REQUESTS`). Each point is the fastest of
 :data:`PROFILE_REPS` timed runs after one untimed run (the fastest, because
 noise on a shared machine only ever adds time); points that take
-:data:`PROFILE_LONG_S` or more get two runs. That is 9 verify and 6 draft sizes
-at most. Measured on the 2-core CPU machine (float32, under other load):
-0.24 s for the tiny test pairs, 5.1 s for SmolLM2-135M with the default
-drafter (max_num_seqs 64); loading a cached profile with its spot check 0.3 s.
+:data:`PROFILE_LONG_S` or more get two runs. That is 20 verify and 6 draft sizes
+at most. Measured on the 2-core CPU machine (float32): 0.24 s for the tiny test pairs (under
+other load), 4.8 s for SmolLM2-135M with the default drafter (max_num_seqs 64); loading a cached
+profile with its spot check 0.3 s.
 
 The result is cached on disk (``<cache>/budget/<key>.json``, the key covering
 the models, dtype, device, thread count and batch limits), so later starts
@@ -99,6 +100,7 @@ def _key(proposer) -> str:
         "draft_vocab": getattr(proposer.settings, "draft_vocab", None),
         # What a verify point times (_verify_fn): profiles cached before the drafter was left out are retaken.
         "verify_point": PROFILE_VERIFY_POINT,
+        "verify_sizes": f"every size to {C.DENSE_SIZES}",  # profiles of 1, 2, 4, 8 ... tokens are retaken
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -171,7 +173,8 @@ def profile(proposer, draft_scale: float = 1.0, consensus: Consensus | None = No
     # the cost model extrapolates linearly (compute-bound) and the online EMA corrects it.
     max_verify = min(max_verify, PROFILE_MAX_TOKENS)
     max_seqs = min(max_seqs, PROFILE_MAX_REQUESTS)
-    verify = [(n, _time(_verify_fn(proposer, n), consensus=consensus)) for n in C.profile_sizes(max_verify)]
+    verify = [(n, _time(_verify_fn(proposer, n), consensus=consensus))
+              for n in C.profile_sizes(max_verify, C.DENSE_SIZES)]
     draft = [(r, _time(_draft_fn(proposer, r), scale=draft_scale, consensus=consensus))
              for r in C.profile_sizes(max_seqs)]
     return C.CostModel(verify=verify, draft=draft, source="start-up profile")
