@@ -6,9 +6,9 @@ head) runs twice on the same prompts, greedy:
 * ``fixed`` verification: it drafts every step, so every step stores its
   context at once;
 * the budget, pinned to costs under which drafting would pay, with a drafter
-  that is never accepted: most steps draft nothing and only hold their context;
-  probes (a few drafts, ever rarer) read it after up to ``max_steps`` held
-  steps.
+  that is never accepted: most steps draft nothing and only hold their context
+  (the verify step after a probe, its accepted rows); probes (a few drafts, ever
+  rarer) read it after up to ``max_steps`` held steps.
 
 Both outputs equal the target's, and every probe's drafts equal the drafts the
 ``fixed`` engine made at the same request and position: the held context is
@@ -73,6 +73,8 @@ def test_probes_read_the_context_an_eager_store_writes(runs):
     assert 0 < held["flushed_tokens"] <= held["held_tokens"], held
     # Most held steps were planned before the runner's draft glue (patch v1-runner-no-draft-glue).
     assert held["before_glue_steps"] > held["held_steps"] // 2, held
+    # The verify steps after the probes sent nothing and held their accepted rows, which later probes read.
+    assert held["verify_steps_held"] > 0, held
     eager = {(_prompt_of(fixed_trace, r), r["pos"]): r["draft"] for r in fixed_trace}
     probes = [r for r in budget_trace if r["kept"] > 0]
     assert len(probes) >= 3, "the budget never probed: nothing read a held context"

@@ -90,6 +90,7 @@ class ProposerReport:
                 "held_context": {**self.pending.counts, "enabled": self.state.hold_ok,
                                  "before_glue_steps": self.state.before_glue_steps,
                                  "copy_steps_held": self.state.copy_steps_held,
+                                 "verify_steps_held": self.state.verify_steps_held,
                                  "copy_steps_before_glue": self.state.copy_steps_before_glue,
                                  "copy_only_steps": self.state.copy_only_steps,
                                  "copy_only_s": self.state.copy_only_s},

@@ -39,6 +39,7 @@ class StepState:
     before_glue_steps: int = 0
     copy_steps_held: int = 0  # steps only the copy drafted in whose accepted context rows were held
     copy_steps_before_glue: int = 0  # of which planned and sent before the runner's draft glue
+    verify_steps_held: int = 0  # verify steps sending nothing whose accepted context rows were held
     copy_only_steps: int = 0  # steps only the copy drafted in, and the proposer's seconds on them (item 4's
     copy_only_s: float = 0.0  # measure: what a copy step costs beside the target's verify)
     rejected_rows_dropped: int = 0  # verify steps' rejected context rows the layout left out (accepted_context)
