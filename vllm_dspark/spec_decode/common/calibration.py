@@ -76,16 +76,18 @@ class Calibrator:
         return self._memo("levels", self._levels)
 
     def _levels(self) -> np.ndarray:
-        h = self.hits.sum(axis=2)
-        n = self.counts.sum(axis=2)
+        # The chain in plain floats: 2 x P numbers, recomputed after every step's feedback, and numpy's
+        # per-call cost, paid with its code cold after the target's forward, was most of it.
         w = self.prior_strength
-        out = np.empty_like(h)
-        prev = np.full(2, float(self.prior_acceptance))
-        for j in range(self.num_positions):
-            den = n[:, j] + w
-            out[:, j] = np.where(den > 0, (h[:, j] + w * prev) / np.maximum(den, 1e-12), prev)
-            prev = out[:, j]
-        return out
+        out = []
+        for h, n in zip(self.hits.sum(axis=2).tolist(), self.counts.sum(axis=2).tolist(), strict=True):
+            prev, row = float(self.prior_acceptance), []
+            for hj, nj in zip(h, n, strict=True):
+                den = nj + w
+                prev = (hj + w * prev) / max(den, 1e-12) if den > 0 else prev
+                row.append(prev)
+            out.append(row)
+        return np.array(out, dtype=np.float64)
 
     def levels_optimistic(self, z: float = 2.0) -> np.ndarray:
         """[2, P] an upper confidence bound on the acceptance, from the measurements alone (no prior:

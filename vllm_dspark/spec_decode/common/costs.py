@@ -77,15 +77,16 @@ class CostModel:
         self._shaped = self._shape()
 
     def _shape(self) -> list[tuple[int, float]]:
-        shaped = [(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)]
-        # The allocation prices every prefix of the ranked slots at once, a step or more: the curve's
-        # arrays are built here, when it changes, not at each of those calls.
-        self._shaped_xy = (np.array([n for n, _ in shaped], dtype=np.float64),
-                           np.array([t for _, t in shaped], dtype=np.float64))
-        return shaped
+        self._shaped_xy: tuple[np.ndarray, np.ndarray] | None = None  # built when an array is priced
+        return [(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)]
 
     def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
         if isinstance(tokens, np.ndarray):
+            if self._shaped_xy is None:
+                # The allocation prices every prefix of the ranked slots at once: the curve's arrays are
+                # built once per change of the curve (every observed step changes it), and only when priced.
+                self._shaped_xy = (np.array([n for n, _ in self._shaped], dtype=np.float64),
+                                   np.array([t for _, t in self._shaped], dtype=np.float64))
             return self.scale_verify * _interp_xy(*self._shaped_xy, tokens)
         return self.scale_verify * _interp(self._shaped, tokens)
 
