@@ -14,8 +14,9 @@ cache, and a held write must never land on a block that changed hands:
 
 * a step is held whole only when it is decode-only (one token per request);
   a verify step in which the drafter does not run (the copy source drafted
-  alone) is held without its rejected rows (:func:`.accepted_context.
-  accepted_rows`), so no held token sits in a slot the next step writes again;
+  alone, or nothing is sent) is held without its rejected rows
+  (:func:`.accepted_context.accepted_rows`), so no held token sits in a slot the
+  next step writes again;
 * a flush stores only the tokens of requests still in the current batch; those
   of requests that finished, were aborted or were preempted are dropped. Their
   blocks may already belong to another request, and with a drafter KV group of
