@@ -29,8 +29,9 @@ class CostModel:
     ``verify`` and ``draft`` are sorted ``(x, seconds)`` points; between points
     the time is interpolated linearly, beyond the last point extrapolated from
     the last two (the machine stays compute-bound). The drafter's curve never
-    falls; the verify curve keeps the dips it was measured with (:func:`_merged`). ``scale_verify`` and
-    ``scale_draft`` are online corrections (EMAs of observed / predicted).
+    falls; the verify curve keeps the dips it was measured with (:func:`_merged`).
+    ``scale_verify`` and ``scale_draft`` are online corrections (EMAs of observed /
+    predicted).
     ``shape_verify`` corrects each verify point on its own, from the steps observed
     between it and its neighbours: one scale cannot mend a profile whose points are
     off by different factors (on the 2-core EPYC the 16-token point of a batch-8
