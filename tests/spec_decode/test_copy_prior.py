@@ -21,7 +21,10 @@ def brute_copy(text: list[int], k: int, lo: int = 2, hi: int = 8) -> tuple[list[
                 match = n
                 while match < MATCH_CAP and end - match >= 0 and text[end - match] == text[len(text) - 1 - match]:
                     match += 1
-                return text[end + 1:end + 1 + k], match
+                ext = list(text)
+                for j in range(end + 1, end + 1 + k):  # a continuation reaching the present repeats its period
+                    ext.append(ext[j])
+                return ext[end + 1:end + 1 + k], match
     return [], 0
 
 

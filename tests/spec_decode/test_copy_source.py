@@ -30,7 +30,10 @@ def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> tuple[list[int],
                 match = n
                 while match < MATCH_CAP and end - match >= 0 and tokens[end - match] == tokens[size - 1 - match]:
                     match += 1
-                return tokens[end + 1:end + 1 + k], match
+                text = list(tokens)
+                for j in range(end + 1, end + 1 + k):  # an overlapping copy: the draft continues itself
+                    text.append(text[j])
+                return text[end + 1:end + 1 + k], match
     return [], 0
 
 
@@ -58,7 +61,17 @@ def test_the_latest_occurrence_wins_and_the_continuation_may_run_into_the_suffix
     assert idx.propose(2) == ([8, 1], 2)
     rep = SuffixIndex(2, 8)
     rep.extend([4] * 6)
-    assert rep.propose(3) == ([4], 5)  # the latest earlier end is one before the last
+    assert rep.propose(3) == ([4, 4, 4], 5)  # the latest earlier end is one before the last: period 1
+
+
+def test_a_continuation_that_reaches_the_present_repeats_its_period():
+    idx = SuffixIndex(2, 8)
+    idx.extend([9, 1, 2, 3, 1, 2, 3, 1, 2])  # period 3: "1 2" last ended 3 tokens back, with "3" after it
+    assert idx.propose(7) == ([3, 1, 2, 3, 1, 2, 3], 5)
+    assert idx.propose(1) == ([3], 5)  # a draft no longer than the period is a plain copy
+    code = SuffixIndex(2, 8)
+    code.extend([7, 5, 5, 5, 6, 8, 5, 5, 5, 5])  # indentation: the latest "5 5 5" ends one token back
+    assert code.propose(4) == ([5, 5, 5, 5], 3)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -99,7 +112,7 @@ def test_the_source_drafts_per_request_and_follows_each_request():
     texts["b"] = [9, 9, 9]  # its text changed under us (recomputed): indexed anew
     d = src.draft(batch())
     assert d.tokens[0].tolist() == [4, 1, 2] and src.last_matches[0] == 3
-    assert d.tokens[1].tolist() == [9, 0, 0]
+    assert d.tokens[1].tolist() == [9, 9, 9]  # period 1, continued
     src.retain(["b"])
     assert list(src.indexes) == ["b"]
     with pytest.raises(ValueError, match="no texts"):

@@ -33,8 +33,9 @@ def test_offers_cover_the_whole_batch_and_only_the_rows_that_may_draft():
     offers = text_offers([src], ids, [4, 4, 0], texts, torch.tensor([2, 8, 6]), 4)
     offer = offers[COPY_SOURCE]
     assert offer.drafts.tokens.shape == (3, 4)
-    assert offer.drafts.tokens[0].tolist() == [3, 4, 1, 2] and offer.drafts.tokens[1, :3].tolist() == [9, 7, 8]
-    assert offer.lengths == [4, 3, 0]  # row 2 has a match but no cap: not drafted
+    # Row 1's copy reaches the present after 3 tokens (period 3) and continues with itself.
+    assert offer.drafts.tokens[0].tolist() == [3, 4, 1, 2] and offer.drafts.tokens[1].tolist() == [9, 7, 8, 9]
+    assert offer.lengths == [4, 4, 0]  # row 2 has a match but no cap: not drafted
     assert offer.drafts.confidence[0, 0].item() == np.float32(match_confidence(2))
     view = offer.view()
     assert view.lengths == offer.lengths and view.confidence.shape == (3, 4)

@@ -79,11 +79,24 @@ class SuffixIndex:
                 self._last_end[n].update(zip(h.tolist(), ends.tolist(), strict=True))  # later ends win
 
     def propose(self, k: int) -> tuple[list[int], int]:
-        """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix,
-        and the match length (0 and no tokens when no suffix of ``min_match`` tokens recurs)."""
+        """``k`` tokens that followed the latest earlier occurrence of the longest suffix, and the
+        match length (0 and no tokens when no suffix of ``min_match`` tokens recurs).
+
+        An occurrence ``p`` tokens back whose continuation runs into the present (``p < k``: the text
+        repeats with period ``p``, as code indentation and repeated lines do) continues with itself,
+        as an overlapping LZ77 copy does: token ``j`` of the draft is token ``j - p``. Cut at the
+        text's end instead, such a draft was 1 or 2 tokens long where its match said 16 or more;
+        walked over SmolLM2's greedy HumanEval answers, this took the tokens accepted per proposal
+        from 4.16 to 5.09 (vLLM's n-gram, earliest occurrence of 2-4 tokens: 4.74), and changed
+        nothing on the chat or copy-heavy sets.
+        """
         # The index holds n-grams ending before the newest token only, so the text's own suffix
         # can only be found earlier in it.
-        return self.find(self.tokens, k)
+        got, match = self.find(self.tokens, k)
+        period = len(got)
+        if 0 < period < k:  # (own text: no SEP, so a short continuation is one that reached the end)
+            got = [got[j % period] for j in range(k)]
+        return got, match
 
     def find(self, query: Sequence[int], k: int) -> tuple[list[int], int]:
         """Up to ``k`` tokens that followed the latest indexed occurrence of ``query``'s longest
