@@ -8,24 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from tests.spec_decode.test_copy_source import brute_force
 from vllm_dspark.spec_decode.common.calibration import Calibrator
 from vllm_dspark.spec_decode.common.copy_prior import PRIOR_FILE, CopyPrior, CopyPriorError, load, measure
-from vllm_dspark.spec_decode.common.suffix_index import MATCH_CAP, match_confidence
-
-
-def brute_copy(text: list[int], k: int, lo: int = 2, hi: int = 8) -> tuple[list[int], int]:
-    """The copy by definition: the latest earlier occurrence of the longest suffix (lo..hi tokens)."""
-    for n in range(min(hi, len(text) - 1), lo - 1, -1):
-        for end in range(len(text) - 2, n - 2, -1):
-            if text[end - n + 1:end + 1] == text[len(text) - n:]:
-                match = n
-                while match < MATCH_CAP and end - match >= 0 and text[end - match] == text[len(text) - 1 - match]:
-                    match += 1
-                ext = list(text)
-                for j in range(end + 1, end + 1 + k):  # a continuation reaching the present repeats its period
-                    ext.append(ext[j])
-                return ext[end + 1:end + 1 + k], match
-    return [], 0
+from vllm_dspark.spec_decode.common.suffix_index import match_confidence
 
 
 def replay(tokens: list[int], spans, k: int) -> Calibrator:
@@ -34,7 +20,7 @@ def replay(tokens: list[int], spans, k: int) -> Calibrator:
     for start, end in spans:
         t = start
         while t < end - 1:
-            got, match = brute_copy(tokens[:t + 1], k)
+            got, match = brute_force(tokens[:t + 1], k, 2, 8)  # the copy by definition
             truth = tokens[t + 1:end]
             acc = 0
             while acc < min(len(got), len(truth)) and got[acc] == truth[acc]:
