@@ -21,19 +21,28 @@ from vllm_dspark.spec_decode.common.drafts import DraftBatch, DraftSource
 
 def brute_force(tokens: list[int], k: int, lo: int, hi: int) -> tuple[list[int], int]:
     """The definition: for the longest n in [lo, hi] whose suffix recurs earlier, the latest such
-    occurrence's continuation; its match extended backwards up to MATCH_CAP."""
+    occurrence's continuation (the earliest's when that match is only ``lo`` tokens); its match
+    extended backwards up to MATCH_CAP."""
     size = len(tokens)
+
+    def matched(end: int, n: int) -> int:
+        match = n
+        while match < MATCH_CAP and end - match >= 0 and tokens[end - match] == tokens[size - 1 - match]:
+            match += 1
+        return match
+
     for n in range(min(hi, size - 1), lo - 1, -1):
         suffix = tokens[size - n:]
-        for end in range(size - 2, n - 2, -1):
-            if tokens[end - n + 1:end + 1] == suffix:
-                match = n
-                while match < MATCH_CAP and end - match >= 0 and tokens[end - match] == tokens[size - 1 - match]:
-                    match += 1
-                text = list(tokens)
-                for j in range(end + 1, end + 1 + k):  # an overlapping copy: the draft continues itself
-                    text.append(text[j])
-                return text[end + 1:end + 1 + k], match
+        ends = [end for end in range(n - 1, size - 1) if tokens[end - n + 1:end + 1] == suffix]
+        if not ends:
+            continue
+        end = ends[-1]
+        if matched(end, n) == lo:
+            end = ends[0]
+        text = list(tokens)
+        for j in range(end + 1, end + 1 + k):  # an overlapping copy: the draft continues itself
+            text.append(text[j])
+        return text[end + 1:end + 1 + k], matched(end, n)
     return [], 0
 
 
@@ -57,11 +66,22 @@ def test_no_match_and_never_itself():
 
 def test_the_latest_occurrence_wins_and_the_continuation_may_run_into_the_suffix():
     idx = SuffixIndex(2, 3)
-    idx.extend([1, 2, 9, 1, 2, 8, 1, 2])
-    assert idx.propose(2) == ([8, 1], 2)
+    idx.extend([5, 1, 2, 9, 5, 1, 2, 8, 5, 1, 2])
+    assert idx.propose(2) == ([8, 5], 3)
     rep = SuffixIndex(2, 8)
     rep.extend([4] * 6)
     assert rep.propose(3) == ([4, 4, 4], 5)  # the latest earlier end is one before the last: period 1
+
+
+def test_a_suffix_recurring_only_at_the_shortest_length_copies_its_earliest_occurrence():
+    idx = SuffixIndex(2, 3)
+    idx.extend([1, 2, 9, 1, 2, 8, 1, 2])  # "1 2" recurs, "8 1 2" does not: n-gram's choice, the first
+    assert idx.propose(2) == ([9, 1], 2)
+    idx.extend([9, 1, 2])  # now "9 1 2" recurs: the latest occurrence of the longer match
+    assert idx.propose(2) == ([8, 1], 5)  # (matched back to the start: "1 2 9 1 2")
+    bulk = SuffixIndex(2, 3)
+    bulk.extend([3, 4] + [0] * 300 + [3, 4, 6, 1, 3, 4])  # indexed in bulk: the first end is the prompt's
+    assert bulk.propose(1) == ([0], 2)
 
 
 def test_a_continuation_that_reaches_the_present_repeats_its_period():
@@ -152,7 +172,7 @@ def test_a_prompt_indexed_in_bulk_equals_one_by_one(seed):
     bulk.extend(tokens[cut:])
     for t in tokens:
         single.extend([t])
-    assert bulk._last_end == single._last_end
+    assert bulk._last_end == single._last_end and bulk._first_end == single._first_end
     for extra in ([1], [2, 3], [rng.randrange(6) for _ in range(5)]):
         bulk.extend(extra)
         single.extend(extra)

@@ -6,8 +6,9 @@ draft than any model's. :class:`SuffixIndex` (``suffix_index.py``) keeps, per re
 (``min_match`` .. ``max_match`` tokens) last ended, updated as tokens are accepted: a step costs
 O(``max_match``) hashing and dictionary operations per new token, whatever the context length,
 and the prompt is indexed once, vectorised (``benchmarks/bench_copy_source.py``). The draft is the
-text that followed the most recent earlier occurrence of the longest suffix found (continued with
-itself where it runs into the present: :meth:`SuffixIndex.propose`); its match
+text that followed the most recent earlier occurrence of the longest suffix found (the earliest when
+that suffix is only ``min_match`` tokens; continued with itself where it runs into the present:
+:meth:`SuffixIndex.propose`); its match
 length (extended backwards past ``max_match``, up to ``MATCH_CAP``) is the evidence the budget
 calibrates on.
 
