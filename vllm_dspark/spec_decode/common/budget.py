@@ -448,9 +448,9 @@ class BudgetPolicy:
 
     def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
         """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
-        unmeasured = np.array([not self.calibrator.measured(False), not self.calibrator.measured(True)])
-        if not unmeasured.any():
+        if self.calibrator.measured(False) and self.calibrator.measured(True):
             return []
+        unmeasured = np.array([not self.calibrator.measured(False), not self.calibrator.measured(True)])
         rows = (np.asarray(caps) > 0) & unmeasured[np.asarray(sampled, dtype=np.int64)]
         return np.flatnonzero(rows).tolist()
 

@@ -49,12 +49,14 @@ class Calibrator:
     # and the calibrated survival several times a step, and rebuilding them each time took a few
     # hundred microseconds of every step at batch 1 (0.26 ms a calibrate call in the engine).
     _derived: dict = field(init=False, repr=False, compare=False)
+    _measured: list = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape = (2, self.num_positions, self.bins)
         for name in ("hits", "counts", "pred_sum", "total_hits", "total_counts", "total_pred"):
             setattr(self, name, np.zeros(shape))
         self._derived = {}
+        self._measured = [False, False]
 
     def _memo(self, key: str, make):
         """``make()``'s array, computed once per change of the tables (read-only: callers share it)."""
@@ -68,8 +70,12 @@ class Calibrator:
         return np.clip((np.asarray(c) * self.bins).astype(np.int64), 0, self.bins - 1)
 
     def measured(self, sampled: bool) -> bool:
-        """Whether any draft of this mode has been verified yet (the report's counts never fade)."""
-        return bool(self.total_counts[int(sampled)].sum() > 0)
+        """Whether any draft of this mode has been verified yet (the report's counts never fade, so once
+        true it stays true: kept as a flag, asked every step)."""
+        m = int(sampled)
+        if not self._measured[m]:
+            self._measured[m] = bool(self.total_counts[m].sum() > 0)
+        return self._measured[m]
 
     def levels(self) -> np.ndarray:
         """[2, P] measured conditional acceptance per mode and position (the chained pessimistic prior)."""

@@ -62,8 +62,11 @@ class PendingContext:
         self._states: list[torch.Tensor] = []
         self._positions: list[torch.Tensor] = []
         self._slots: list[torch.Tensor] = []
-        self._owners: list[torch.Tensor] = []  # per held row: its request's index in req_ids
-        self._per_request: torch.Tensor | None = None  # tokens held per request
+        # Per held step, each row's request (its index in req_ids); None for a decode-only step (row i is
+        # request i), whose owners are only built if a flush must drop rows.
+        self._owners: list[torch.Tensor | None] = []
+        # Tokens held per request, in plain ints: asked every held step (tensor reductions cost more here).
+        self._per_request: list[int] | None = None
         self.counts = {"held_steps": 0, "held_tokens": 0, "flushes": 0, "flushed_tokens": 0, "dropped_tokens": 0}
 
     @property
@@ -75,7 +78,7 @@ class PendingContext:
         flush first)."""
         if self.steps == 0:
             return tokens <= self.max_tokens
-        held = 0 if self._per_request is None else int(self._per_request.max())
+        held = max(self._per_request, default=0) if self._per_request is not None else 0
         return tuple(req_ids) == self.req_ids and self.steps < self.max_steps and held + tokens <= self.max_tokens
 
     def hold(self, req_ids: Sequence[str], states: torch.Tensor, positions: torch.Tensor,
@@ -87,15 +90,21 @@ class PendingContext:
             if n != len(req_ids):
                 raise ValueError(f"hold: {n} states for {len(req_ids)} requests (a decode-only step has one "
                                  "token per request; pass owners for more)")
-            owners = torch.arange(n)
-        if positions.shape[0] != n or slots.shape[0] != n or owners.shape[0] != n:
-            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots, "
-                             f"{owners.shape[0]} owners")
-        per = torch.bincount(owners.to(torch.int64), minlength=len(req_ids))
-        if not self.accepts(req_ids, int(per.max()) if n else 0):
+            per = [1] * n
+        else:
+            if owners.shape[0] != n:
+                raise ValueError(f"hold: {n} states, {owners.shape[0]} owners")
+            owners = owners.to(torch.int64).clone()
+            per = [0] * len(req_ids)
+            for o in owners.tolist():
+                per[o] += 1
+        if positions.shape[0] != n or slots.shape[0] != n:
+            raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots")
+        if not self.accepts(req_ids, max(per, default=0)):
             raise RuntimeError("PendingContext.hold: flush first (the batch changed or the buffer is full)")
-        self._per_request = per if self._per_request is None else self._per_request + per
-        self._owners.append(owners.to(torch.int64).clone())
+        self._per_request = per if self._per_request is None else [a + b for a, b in
+                                                                    zip(self._per_request, per, strict=True)]
+        self._owners.append(owners)
         self.req_ids = tuple(req_ids)
         # Copies: the runner reuses its position and slot buffers on the next step.
         self._states.append(states.clone())
@@ -111,11 +120,14 @@ class PendingContext:
         if not self._states:
             return 0
         alive = set(live)
-        keep = torch.tensor([rid in alive for rid in (self.req_ids or ())], dtype=torch.bool)
+        keep_l = [rid in alive for rid in (self.req_ids or ())]
         states, positions, slots = torch.cat(self._states), torch.cat(self._positions), torch.cat(self._slots)
         held = states.shape[0]
-        if not bool(keep.all()):
-            mask = keep[torch.cat(self._owners)]
+        if not all(keep_l):
+            keep = torch.tensor(keep_l, dtype=torch.bool)
+            owners = [torch.arange(s.shape[0]) if o is None else o for o, s in zip(self._owners, self._states,
+                                                                                     strict=True)]
+            mask = keep[torch.cat(owners)]
             states, positions, slots = states[mask], positions[mask], slots[mask]
         self._states, self._positions, self._slots, self._owners = [], [], [], []
         self.req_ids, self._per_request = None, None
