@@ -530,3 +530,78 @@ def test_a_load_change_starts_the_backoff_afresh():
     assert plan.mode is B.PlanMode.PROBE and p.rhythm.period == 1
     p.feedback(B.PlanMode.PROBE, [B.Feedback([0.9, 0.9], 2, 0, False)])  # rejected: the wait doubles from 1
     assert p.rhythm.period == 2
+
+
+def _random_costs(rng) -> C.CostModel:
+    sizes = sorted({1, *rng.integers(2, 80, size=4).tolist()})
+    verify = [(n, 0.02 + 0.002 * n + float(rng.random()) * 0.003) for n in sizes]
+    return C.CostModel(verify=verify, draft=[(1, 0.004), (8, 0.006 + float(rng.random()) * 0.004)])
+
+
+def test_a_few_slots_allocate_in_plain_floats_exactly_as_the_arrays_do(monkeypatch):
+    """The small-batch path (``SMALL`` slots or fewer) must give the array path's allocation to the bit:
+    ties, caps past N, zero caps, an empty batch, prefill tokens beside and a source's own cost."""
+    rng = np.random.default_rng(7)
+    cases = []
+    for _ in range(300):
+        r, n = int(rng.integers(0, 9)), int(rng.integers(1, 8))  # past SMALL too: the path is forced below
+        surv = np.round(rng.random((r, n)), int(rng.integers(1, 4)))  # rounded: equal values, ties to break
+        caps = rng.integers(0, n + 3, size=r).tolist()
+        cases.append((surv, caps, _random_costs(rng), int(rng.integers(0, 5)), float(rng.random()) * 0.01))
+    monkeypatch.setattr(B, "SMALL", 10**6)  # every case in plain floats
+    small = [B.allocate(s, c, m, extra_tokens=e, source_cost=sc) for s, c, m, e, sc in cases]
+    monkeypatch.setattr(B, "SMALL", -1)  # every case through the arrays
+    arrays = [B.allocate(s, c, m, extra_tokens=e, source_cost=sc) for s, c, m, e, sc in cases]
+    assert small == arrays
+    assert sum(sum(a.kept) for a in small) > 100 and any(a.draft_pays for a in small)
+
+
+def test_few_verdicts_and_slots_calibrate_in_plain_floats_exactly_as_the_arrays_do(monkeypatch):
+    rng = np.random.default_rng(3)
+    fast, slow = K.Calibrator(num_positions=7, memory=300.0), K.Calibrator(num_positions=7, memory=300.0)
+    steps = []
+    for _ in range(120):
+        items = []
+        for _ in range(int(rng.integers(0, 6))):
+            verified = int(rng.integers(0, 8))
+            accepted = int(rng.integers(0, verified + 1))
+            items.append((rng.random(7).tolist(), verified, accepted, bool(rng.random() < 0.3)))
+        steps.append(items)
+    monkeypatch.setattr(K, "SMALL_VERDICTS", 10**6)  # every step's verdicts in plain floats
+    for items in steps:
+        fast.observe_many(items)
+    monkeypatch.setattr(K, "SMALL_VERDICTS", -1)  # every step's through np.bincount
+    for items in steps:
+        slow.observe_many(items)
+    for name in ("hits", "counts", "pred_sum", "total_hits", "total_counts", "total_pred"):
+        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+    for r in (1, 3, 8):
+        conf = rng.random((r, 7))
+        conf[0, :2] = (0.0, 1.0)  # the bins' edges
+        sampled = rng.random(r) < 0.4
+        assert np.array_equal(fast.calibrate_small(conf, sampled), fast.calibrate_arrays(conf, sampled))
+    assert fast.total_counts.sum() > 300
+
+
+def test_a_batch_1_step_takes_the_plain_float_paths(monkeypatch):
+    """Batch 1 (7 slots) is what the small paths are for: prove they run there, and not at batch 8."""
+    calls = {"allocate": 0, "calibrate": 0}
+    small_alloc, small_cal = B._allocate_small, K.Calibrator.calibrate_small
+
+    def alloc_spy(*a, **k):
+        calls["allocate"] += 1
+        return small_alloc(*a, **k)
+
+    def cal_spy(self, *a, **k):
+        calls["calibrate"] += 1
+        return small_cal(self, *a, **k)
+
+    monkeypatch.setattr(B, "_allocate_small", alloc_spy)
+    monkeypatch.setattr(K.Calibrator, "calibrate_small", cal_spy)
+    costs, cal = _random_costs(np.random.default_rng(1)), K.Calibrator(num_positions=7)
+    B.allocate(np.full((1, 7), 0.5), [7], costs)
+    cal.calibrate(np.full((1, 7), 0.5), np.zeros(1, dtype=bool))
+    assert calls == {"allocate": 1, "calibrate": 1}
+    B.allocate(np.full((8, 7), 0.5), [7] * 8, costs)
+    cal.calibrate(np.full((8, 7), 0.5), np.zeros(8, dtype=bool))
+    assert calls == {"allocate": 1, "calibrate": 1}

@@ -51,7 +51,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from vllm_dspark.spec_decode.common.calibration import Calibrator
+from vllm_dspark.spec_decode.common.calibration import SMALL, Calibrator
 from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
 
@@ -94,7 +94,10 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     source_cost : seconds the drafts' source adds to a step that sends any (the copy's, measured:
         ``CostModel.observe_source``); the admitted prefix pays for it, or nothing is admitted
     """
-    surv = np.minimum.accumulate(np.asarray(surv, dtype=np.float64), axis=1) if surv.size else surv
+    surv = np.asarray(surv, dtype=np.float64)
+    if surv.ndim == 2 and surv.size <= SMALL:
+        return _allocate_small(surv, caps, costs, extra_tokens, margin, source_cost)
+    surv = np.minimum.accumulate(surv, axis=1) if surv.size else surv
     r = surv.shape[0]
     base_tokens = r + extra_tokens
     # Each request's first caps[i] slots, row by row (boolean indexing keeps that order).
@@ -120,6 +123,42 @@ def allocate(surv: np.ndarray, caps: Sequence[int], costs: CostModel, *, extra_t
     kept = np.bincount(rows[order[:best]], minlength=r).tolist()
     return Allocation(kept, float(r + gain[best]), float(t[best]), plain_rate, float(rate[best]),
                       draft_rate, draft_rate > plain_rate * (1.0 + margin))
+
+
+def _allocate_small(surv: np.ndarray, caps: Sequence[int], costs: CostModel, extra_tokens: int, margin: float,
+                    source_cost: float) -> Allocation:
+    """:func:`allocate` in plain floats for a few slots: the same operations in the same order (the verify
+    curve priced by the same call), so the same allocation to the bit."""
+    r = surv.shape[0]
+    base_tokens = r + extra_tokens
+    values: list[float] = []
+    owners: list[int] = []
+    for i, (row, cap) in enumerate(zip(surv.tolist(), caps, strict=True)):
+        low = 0.0
+        for j, x in enumerate(row):
+            low = x if j == 0 else min(low, x)  # np.minimum.accumulate
+            if j < int(cap):
+                values.append(low)
+                owners.append(i)
+    t_plain = float(costs.verify_time(base_tokens))
+    plain_rate = r / t_plain if t_plain > 0 else 0.0
+    d = costs.draft_time(r)
+    if not values:
+        return Allocation([0] * r, float(r), t_plain, plain_rate, plain_rate, 0.0, False)
+    order = sorted(range(len(values)), key=lambda k: -values[k])  # stable: ties keep the lower position first
+    gain = [0.0]
+    for k in order:
+        gain.append(gain[-1] + values[k])
+    t = np.asarray(costs.verify_time(base_tokens + np.arange(len(values) + 1)), dtype=np.float64).tolist()
+    t = [t[0]] + [x + source_cost for x in t[1:]]
+    rate = [(r + g) / x for g, x in zip(gain, t, strict=True)]
+    best = max(range(len(rate)), key=rate.__getitem__)  # the first of equal maxima, as np.argmax
+    draft_rate = max((r + g) / (x + d) for g, x in zip(gain, t, strict=True))
+    kept = [0] * r
+    for k in order[:best]:
+        kept[owners[k]] += 1
+    return Allocation(kept, float(r + gain[best]), float(t[best]), plain_rate, float(rate[best]), draft_rate,
+                      draft_rate > plain_rate * (1.0 + margin))
 
 
 def forecast_pays(mean_surv: Sequence[float], requests: int, cap: int, costs: CostModel,
