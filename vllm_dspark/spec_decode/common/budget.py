@@ -487,10 +487,10 @@ class BudgetPolicy:
 
     def _fresh_rows(self, caps: Sequence[int], sampled: np.ndarray) -> list[int]:
         """Requests that could draft, of a mode (greedy, sampled) the calibrator has not measured."""
-        if self.calibrator.measured(False) and self.calibrator.measured(True):
+        unmeasured = [not self.calibrator.measured(False), not self.calibrator.measured(True)]
+        if not any(unmeasured):
             return []
-        unmeasured = np.array([not self.calibrator.measured(False), not self.calibrator.measured(True)])
-        rows = (np.asarray(caps) > 0) & unmeasured[np.asarray(sampled, dtype=np.int64)]
+        rows = (np.asarray(caps) > 0) & np.array(unmeasured)[np.asarray(sampled, dtype=np.int64)]
         return np.flatnonzero(rows).tolist()
 
     def _probe_rows(self, caps: Sequence[int], fresh: Sequence[int]) -> tuple[int, ...]:

@@ -77,6 +77,10 @@ class Calibrator:
     def _bin(self, c: np.ndarray) -> np.ndarray:
         return np.clip((np.asarray(c) * self.bins).astype(np.int64), 0, self.bins - 1)
 
+    def _bin_one(self, c: float) -> int:
+        """:meth:`_bin` of one confidence (the plain-float paths')."""
+        return min(max(int(c * self.bins), 0), self.bins - 1)
+
     def measured(self, sampled: bool) -> bool:
         """Whether any draft of this mode has been verified yet (the report's counts never fade, so once
         true it stays true: kept as a flag, asked every step)."""
@@ -128,7 +132,7 @@ class Calibrator:
     def calibrate_small(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """:meth:`calibrate` in plain floats (the same operations, so the same result)."""
         mp, lv, hits, counts = self._memo_lists()
-        bins, prior = self.bins, self.bin_prior
+        prior = self.bin_prior
         out = []
         for row, s in zip(conf.tolist(), np.asarray(sampled).reshape(-1).tolist(), strict=True):
             m = int(s)
@@ -137,7 +141,7 @@ class Calibrator:
             for j, c in enumerate(row):
                 p = mpm[j]
                 q = min(max(lvm[j] * (c / p if p > 0 else 1.0), 0.0), 1.0)
-                b = min(max(int(c * bins), 0), bins - 1)
+                b = self._bin_one(c)
                 got.append((hm[j][b] + prior * q) / (cm[j][b] + prior))
             out.append(got)
         return np.array(out, dtype=np.float64).reshape(conf.shape)
@@ -214,10 +218,9 @@ class Calibrator:
     def _add_small(self, m: int, pos: list[int], cs: list[float], hit: list[float], w: list[float]) -> None:
         """The tables' increments of :meth:`_observe_mode` in plain floats: each cell's sum built in the
         verdicts' order from 0, then added to the table, as ``np.bincount`` and ``+=`` do."""
-        bins = self.bins
         sums: dict[tuple[int, int], list[float]] = {}
         for j, c, h, wt in zip(pos, cs, hit, w, strict=True):
-            cell = (j, min(max(int(c * bins), 0), bins - 1))
+            cell = (j, self._bin_one(c))
             acc = sums.get(cell)
             if acc is None:
                 acc = sums[cell] = [0.0, 0.0, 0.0, 0, 0.0, 0.0]
