@@ -6,7 +6,7 @@ import pytest
 import torch
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
-from vllm_dspark.spec_decode.v1.accepted_context import accepted_context
+from vllm_dspark.spec_decode.v1.accepted_context import accepted_context, accepted_rows
 
 
 def _cad(query_lens: list[int], seq_lens: list[int]) -> CommonAttentionMetadata:
@@ -72,3 +72,27 @@ def test_every_kept_row_is_one_the_padded_layout_would_read():
             assert got is None
             continue
         assert got is not None and got.token_ids.tolist() == [100 + i for i in want]
+
+
+@pytest.mark.parametrize("query_lens,rejected", [
+    ([4], [0]), ([4], [3]), ([8], [5]),  # one request: a slice
+    ([3, 3], [0, 0]), ([2, 4, 1], None),  # nothing rejected: a slice
+    ([3, 3], [1, 0]), ([4, 1, 8, 2], [3, 0, 5, 1]), ([5, 5], [0, 4]),  # gaps: an index
+])
+def test_accepted_rows_name_each_requests_kept_prefix_and_its_owner(query_lens, rejected):
+    _, positions, _, cad = _step(query_lens, [20] * len(query_lens))
+    got = accepted_rows(cad, None if rejected is None else torch.tensor(rejected), positions.device)
+    rej = rejected or [0] * len(query_lens)
+    starts = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    want = [s + j for s, q, r in zip(starts, query_lens, rej) for j in range(q - r)]
+    assert positions[got.index].tolist() == [1000 + w for w in want]
+    assert got.owners == [i for i, (q, r) in enumerate(zip(query_lens, rej)) for _ in range(q - r)]
+    assert got.count == len(want) and got.most == max(q - r for q, r in zip(query_lens, rej))
+    # The rows a slice can name take no index tensor (what made this cheap on a copy-only step).
+    assert isinstance(got.index, slice) == (len(query_lens) == 1 or not any(rej))
+
+
+def test_accepted_rows_refuse_counts_that_reject_every_row_and_run_only_on_the_host():
+    _, positions, _, cad = _step([3, 2], [20, 20])
+    assert accepted_rows(cad, torch.tensor([0, 2]), positions.device) is None
+    assert accepted_rows(cad, torch.tensor([0, 0]), torch.device("meta")) is None

@@ -68,23 +68,35 @@ def accepted_context(token_ids: torch.Tensor, positions: torch.Tensor, hidden_st
 class AcceptedRows:
     """Which of a step's context rows the target accepted, and whose they are."""
 
-    index: torch.Tensor  # [n] int64 rows of the step's context
-    owners: torch.Tensor  # [n] int64 each row's request (batch row)
+    index: torch.Tensor | slice  # the rows of the step's context: a slice when they are contiguous
+    owners: list[int]  # each row's request (batch row)
     most: int  # the most rows any one request keeps
+
+    @property
+    def count(self) -> int:
+        return len(self.owners)
 
 
 def accepted_rows(cad, num_rejected: torch.Tensor | None, device: torch.device) -> AcceptedRows | None:
     """The accepted rows of a step (every row when nothing was rejected), for holding them; None on a GPU,
-    where the rejected counts are not on the host."""
+    where the rejected counts are not on the host.
+
+    Plain ints: it runs on every step the drafter sits out, on a handful of rows, and the numpy and
+    torch calls it made cost 0.14 ms of a 1.3 ms copy-only step at batch 1 (float32, 2-core EPYC).
+    Rows a slice can name (one request, or nothing rejected) are indexed without an index tensor."""
     if device.type != "cpu":
         return None
     batch = cad.batch_size()
-    starts = cad.query_start_loc_cpu[: batch + 1].to(torch.int64).numpy()
-    qlen = np.diff(starts)
-    rejected = np.zeros(batch, np.int64) if num_rejected is None else num_rejected[:batch].to(torch.int64).numpy()
-    keep = qlen - rejected
-    if (keep < 1).any():
+    starts = cad.query_start_loc_cpu[: batch + 1].tolist()
+    rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
+    keep = [int(b) - int(a) - int(r) for a, b, r in zip(starts[:-1], starts[1:], rejected, strict=True)]
+    if min(keep, default=1) < 1:
         return None  # the runner's counts disagree with its query lengths: the eager path says so
-    owners = np.repeat(np.arange(batch, dtype=np.int64), keep)
-    index = np.concatenate([np.arange(s, s + k, dtype=np.int64) for s, k in zip(starts[:-1], keep, strict=True)])
-    return AcceptedRows(torch.from_numpy(index), torch.from_numpy(owners), int(keep.max()))
+    owners = [i for i, k in enumerate(keep) for _ in range(k)]
+    first = int(starts[0]) if batch else 0
+    if batch <= 1 or not any(rejected):
+        index: torch.Tensor | slice = slice(first, first + len(owners))
+    else:
+        rows = [int(s) + j for s, k in zip(starts[:-1], keep, strict=True) for j in range(k)]
+        index = torch.tensor(rows, dtype=torch.int64)
+    return AcceptedRows(index, owners, max(keep, default=0))

@@ -64,7 +64,7 @@ class PendingContext:
         self._slots: list[torch.Tensor] = []
         # Per held step, each row's request (its index in req_ids); None for a decode-only step (row i is
         # request i), whose owners are only built if a flush must drop rows.
-        self._owners: list[torch.Tensor | None] = []
+        self._owners: list[list[int] | None] = []
         # Tokens held per request, in plain ints: asked every held step (tensor reductions cost more here).
         self._per_request: list[int] | None = None
         self.counts = {"held_steps": 0, "held_tokens": 0, "flushes": 0, "flushed_tokens": 0, "dropped_tokens": 0}
@@ -82,7 +82,7 @@ class PendingContext:
         return tuple(req_ids) == self.req_ids and self.steps < self.max_steps and held + tokens <= self.max_tokens
 
     def hold(self, req_ids: Sequence[str], states: torch.Tensor, positions: torch.Tensor,
-             slots: torch.Tensor, owners: torch.Tensor | None = None) -> None:
+             slots: torch.Tensor, owners: Sequence[int] | None = None) -> None:
         """Hold one step: raw target states [n, A], positions [n], drafter-cache slots [n]; ``owners`` [n]
         each row's request (its index in ``req_ids``), None for a decode-only step (row i is request i)."""
         n = states.shape[0]
@@ -92,11 +92,11 @@ class PendingContext:
                                  "token per request; pass owners for more)")
             per = [1] * n
         else:
-            if owners.shape[0] != n:
-                raise ValueError(f"hold: {n} states, {owners.shape[0]} owners")
-            owners = owners.to(torch.int64).clone()
+            owners = [int(o) for o in owners]
+            if len(owners) != n:
+                raise ValueError(f"hold: {n} states, {len(owners)} owners")
             per = [0] * len(req_ids)
-            for o in owners.tolist():
+            for o in owners:
                 per[o] += 1
         if positions.shape[0] != n or slots.shape[0] != n:
             raise ValueError(f"hold: {n} states, {positions.shape[0]} positions, {slots.shape[0]} slots")
@@ -125,8 +125,8 @@ class PendingContext:
         held = states.shape[0]
         if not all(keep_l):
             keep = torch.tensor(keep_l, dtype=torch.bool)
-            owners = [torch.arange(s.shape[0]) if o is None else o for o, s in zip(self._owners, self._states,
-                                                                                     strict=True)]
+            owners = [torch.arange(s.shape[0]) if o is None else torch.tensor(o, dtype=torch.int64)
+                      for o, s in zip(self._owners, self._states, strict=True)]
             mask = keep[torch.cat(owners)]
             states, positions, slots = states[mask], positions[mask], slots[mask]
         self._states, self._positions, self._slots, self._owners = [], [], [], []

@@ -99,7 +99,7 @@ class HeldContext:
         if st.hold_checked or not st.hold_ok or int(cad.max_query_len) > self.block + 1:
             return
         rows = accepted_rows(cad, num_rejected, target_positions.device)
-        if rows is None or int(rows.index.shape[0]) != n:
+        if rows is None or rows.count != n:
             return
         self._prove_hold(target_positions[rows.index], cad.slot_mapping[rows.index], n)
 
