@@ -120,6 +120,34 @@ def test_one_number_interpolates_as_an_array_does():
             assert one == pytest.approx(float(C._interp(points, np.array([x]))[0]), rel=1e-12, abs=1e-15)
 
 
+def test_verify_prefixes_price_as_the_curve_does_until_it_or_its_scale_changes():
+    m = C.CostModel(verify=[(1, 0.04), (2, 0.045), (8, 0.07)], draft=[(1, 0.005)])
+
+    def fresh(base, slots):
+        return np.asarray(m.verify_time(base + np.arange(slots + 1)), dtype=np.float64).tolist()
+
+    first = m.verify_prefixes(1, 7)
+    assert first == fresh(1, 7) and m.verify_prefixes(1, 7) is first  # kept within a step
+    assert m.verify_prefixes(3, 4) == fresh(3, 4)
+    m.observe_verify(2, 0.06)  # the scale and the curve's shape both move
+    assert m.verify_prefixes(1, 7) == fresh(1, 7) != first
+    m.scale_verify *= 1.5  # set from outside: still repriced
+    assert m.verify_prefixes(1, 7) == fresh(1, 7)
+
+
+def test_level_survival_is_each_requests_mode_row_of_the_levels_survival():
+    policy = B.BudgetPolicy(7)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        policy.calibrator.observe_many([(rng.random(7).tolist(), 7, int(rng.integers(0, 8)), bool(rng.random() < 0.5))
+                                        for _ in range(3)])
+        sampled = rng.random(5) < 0.5
+        want = B.survival(policy.calibrator.levels()[sampled.astype(np.int64)])
+        assert np.array_equal(policy.level_survival(sampled), want)
+        opt = B.survival(policy.calibrator.levels_optimistic()[sampled.astype(np.int64)])
+        assert np.array_equal(policy.level_survival(sampled, optimistic=True), opt)
+
+
 def test_a_profile_the_corrections_keep_disowning_is_stale():
     m = C.CostModel(verify=[(1, 0.1), (100, 0.2)], draft=[(1, 0.01)], ema=0.5, patience=10)
     for _ in range(200):  # noise around the profile never makes it stale

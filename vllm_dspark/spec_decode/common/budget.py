@@ -149,7 +149,7 @@ def _allocate_small(surv: np.ndarray, caps: Sequence[int], costs: CostModel, ext
     gain = [0.0]
     for k in order:
         gain.append(gain[-1] + values[k])
-    t = np.asarray(costs.verify_time(base_tokens + np.arange(len(values) + 1)), dtype=np.float64).tolist()
+    t = costs.verify_prefixes(base_tokens, len(values))
     t = [t[0]] + [x + source_cost for x in t[1:]]
     rate = [(r + g) / x for g, x in zip(gain, t, strict=True)]
     best = max(range(len(rate)), key=rate.__getitem__)  # the first of equal maxima, as np.argmax
@@ -421,8 +421,11 @@ class BudgetPolicy:
     # -------------------------------------------------------------- decisions
     def level_survival(self, sampled: np.ndarray, *, optimistic: bool = False) -> np.ndarray:
         """[R, N] survival per request from the measured levels of its mode (or their upper bound)."""
-        lv = self.calibrator.levels_optimistic() if optimistic else self.calibrator.levels()
-        return survival(lv[np.asarray(sampled, dtype=np.int64)])
+        cal = self.calibrator
+        # Both modes' survival once per change of the tables (a row's cumulative product is the same alone).
+        both = cal.memo("survival_optimistic" if optimistic else "survival",
+                        lambda: survival(cal.levels_optimistic() if optimistic else cal.levels()))
+        return both[np.asarray(sampled, dtype=np.int64)]
 
     def drafter_pays(self, caps: Sequence[int], sampled: np.ndarray) -> bool:
         """Whether the drafter's forward, for these requests alone, pays by its measured levels."""

@@ -66,7 +66,7 @@ class Calibrator:
         self._derived = {}
         self._measured = [False, False]
 
-    def _memo(self, key: str, make):
+    def memo(self, key: str, make):
         """``make()``'s array, computed once per change of the tables (read-only: callers share it)."""
         out = self._derived.get(key)
         if out is None:
@@ -91,7 +91,7 @@ class Calibrator:
 
     def levels(self) -> np.ndarray:
         """[2, P] measured conditional acceptance per mode and position (the chained pessimistic prior)."""
-        return self._memo("levels", self._levels)
+        return self.memo("levels", self._levels)
 
     def _levels(self) -> np.ndarray:
         # The chain in plain floats: 2 x P numbers, recomputed after every step's feedback, and numpy's
@@ -112,7 +112,7 @@ class Calibrator:
         1 before anything is measured, shrinking like 1/sqrt(observations)); a position is bounded
         by the one before it, as in :meth:`levels`. What the acceptance could still be: while this
         bound says drafting could pay, probing is worth it."""
-        return self._memo(f"optimistic{z}", lambda: self._levels_optimistic(z))
+        return self.memo(f"optimistic{z}", lambda: self._levels_optimistic(z))
 
     def _levels_optimistic(self, z: float) -> np.ndarray:
         h = self.hits.sum(axis=2)
@@ -130,35 +130,38 @@ class Calibrator:
         return self.calibrate_arrays(conf, sampled)
 
     def calibrate_small(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
-        """:meth:`calibrate` in plain floats (the same operations, so the same result)."""
-        mp, lv, hits, counts = self._memo_lists()
+        """:meth:`calibrate` in plain floats (the same operations, so the same result). A row reads its
+        cells of the hit and count tables one by one: listing the whole tables, anew after every step's
+        feedback, cost 50-60 us of a batch-1 step (``benchmarks/bench_planner.py``)."""
+        mp, lv = self._memo_lists()
         prior = self.bin_prior
+        hits, counts = self.hits.item, self.counts.item
         out = []
         for row, s in zip(conf.tolist(), np.asarray(sampled).reshape(-1).tolist(), strict=True):
             m = int(s)
-            mpm, lvm, hm, cm = mp[m], lv[m], hits[m], counts[m]
+            mpm, lvm = mp[m], lv[m]
             got = []
             for j, c in enumerate(row):
                 p = mpm[j]
                 q = min(max(lvm[j] * (c / p if p > 0 else 1.0), 0.0), 1.0)
                 b = self._bin_one(c)
-                got.append((hm[j][b] + prior * q) / (cm[j][b] + prior))
+                got.append((hits(m, j, b) + prior * q) / (counts(m, j, b) + prior))
             out.append(got)
         return np.array(out, dtype=np.float64).reshape(conf.shape)
 
-    def _memo_lists(self) -> tuple[list, list, list, list]:
-        """The mean confidences, the levels and the hit and count tables as nested lists (per change)."""
+    def _memo_lists(self) -> tuple[list, list]:
+        """The mean confidences and the levels as nested lists (per change of the tables)."""
         out = self._derived.get("lists")
         if out is None:
-            out = self._derived["lists"] = (self._memo("mean_pred", self._mean_pred).tolist(),
-                                            self.levels().tolist(), self.hits.tolist(), self.counts.tolist())
+            out = self._derived["lists"] = (self.memo("mean_pred", self._mean_pred).tolist(),
+                                            self.levels().tolist())
         return out
 
     def calibrate_arrays(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
         """:meth:`calibrate` in numpy (any size)."""
         r, n = conf.shape
         m = np.asarray(sampled, dtype=np.int64)
-        mp = self._memo("mean_pred", self._mean_pred)[m, :n]  # 0 where nothing was measured
+        mp = self.memo("mean_pred", self._mean_pred)[m, :n]  # 0 where nothing was measured
         ratio = np.where(mp > 0, conf / np.where(mp > 0, mp, 1.0), 1.0)
         q = np.clip(self.levels()[m, :n] * ratio, 0.0, 1.0)
         mode, pos = m[:, None], np.arange(n)[None, :]

@@ -79,6 +79,8 @@ class CostModel:
 
     def _shape(self) -> list[tuple[int, float]]:
         self._shaped_xy: tuple[np.ndarray, np.ndarray] | None = None  # built when an array is priced
+        self._prefixes: dict[tuple[int, int], list[float]] = {}  # verify_prefixes', for one scale
+        self._prefixes_scale: float | None = None
         return [(n, t * f) for (n, t), f in zip(self.verify, self.shape_verify, strict=True)]
 
     def verify_time(self, tokens: int | np.ndarray) -> np.ndarray | float:
@@ -90,6 +92,18 @@ class CostModel:
                                    np.array([t for _, t in self._shaped], dtype=np.float64))
             return self.scale_verify * _interp_xy(*self._shaped_xy, tokens)
         return self.scale_verify * _interp(self._shaped, tokens)
+
+    def verify_prefixes(self, base: int, slots: int) -> list[float]:
+        """``verify_time(base + arange(slots + 1))`` as floats (read-only): a step may allocate two or
+        three times over the same slots (the drafter's check, the copy's allocation, both sources priced
+        together), and each priced the curve anew. Kept until the curve or its scale changes."""
+        if self._prefixes_scale != self.scale_verify:
+            self._prefixes, self._prefixes_scale = {}, self.scale_verify
+        got = self._prefixes.get((base, slots))
+        if got is None:
+            priced = self.verify_time(base + np.arange(slots + 1))
+            got = self._prefixes[(base, slots)] = np.asarray(priced, dtype=np.float64).tolist()
+        return got
 
     def draft_time(self, requests: int, source: str = MODEL_SOURCE) -> float:
         """Seconds ``source`` takes to draft for ``requests`` requests (the drafter's profiled curve;
