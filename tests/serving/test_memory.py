@@ -142,3 +142,23 @@ def test_without_checking_only_the_default_is_decided():
     assert plan(env_value="20", kv_bytes_after=20 * GiB, check=False) == memory.KVPlan(None, None)
     assert plan(utilization=0.8, check=False) == memory.KVPlan(None, None)
     assert plan(check=False).kv_bytes == 4 * GiB
+
+
+@pytest.mark.parametrize("native,dtype,warned", [(False, "bfloat16", True), (True, "bfloat16", False),
+                                                 (False, "float32", False)])
+def test_speculation_in_emulated_bf16_is_warned_about_once_while_the_config_is_built(monkeypatch, tiny_target,
+                                                                                      native, dtype, warned):
+    from vllm_dspark.tools import cpu_setup
+
+    monkeypatch.setattr(cpu_setup, "describe", lambda: {"native_bf16": native})
+    ours = logging.getLogger("vllm_dspark")
+    seen = _Lines()
+    ours.addHandler(seen)
+    monkeypatch.setattr(ours, "level", logging.INFO)
+    try:
+        _engine_config(monkeypatch, 6 * GiB, target=tiny_target, dtype=dtype, speculative_config={
+            "method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    finally:
+        ours.removeHandler(seen)
+    lines = [m for m in seen.lines if "no native bf16" in m]
+    assert len(lines) == (1 if warned else 0), seen.lines

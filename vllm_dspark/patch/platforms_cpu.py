@@ -1,4 +1,5 @@
-"""Patch of ``vllm.platforms.cpu``: a CPU KV-cache size that starts, and one-line memory errors.
+"""Patch of ``vllm.platforms.cpu``: a CPU KV-cache size that starts, one-line memory errors, and a
+warning when speculation runs in emulated bf16 (``cpu_setup.emulated_bf16_note``).
 
 vLLM's CPU platform sizes the KV cache from ``VLLM_CPU_KVCACHE_SPACE`` when it is
 set (in ``CpuPlatform.check_and_update_config``, while ``VllmConfig`` is built);
@@ -50,12 +51,17 @@ def _make(original):
                                     utilization=cache_config.gpu_memory_utilization, total=total,
                                     available=available, workers=getattr(parallel, "world_size", 1) or 1,
                                     node=node, check=_from_arguments())
+        from vllm_dspark.log import share_vllm_logging
+        from vllm_dspark.tools.cpu_setup import emulated_bf16_note
+
+        share_vllm_logging()  # vLLM configures its handlers after the plugin loaded in this process
         if plan.kv_bytes is not None:
             cache_config.kv_cache_memory_bytes = plan.kv_bytes
-            from vllm_dspark.log import share_vllm_logging
-
-            share_vllm_logging()  # vLLM configures its handlers after the plugin loaded in this process
             logger.info("vllm_dspark: %s", plan.message)
+        note = emulated_bf16_note(str(getattr(vllm_config.model_config, "dtype", "")),
+                                  getattr(vllm_config, "speculative_config", None) is not None)
+        if note:
+            logger.warning("vllm_dspark: %s", note)
 
     return classmethod(check_and_update_config)
 
@@ -76,6 +82,7 @@ PATCH = register_patch(Patch(
     module="vllm.platforms.cpu",
     attribute="CpuPlatform.check_and_update_config",
     what="with no KV size chosen, the CPU KV cache gets min(4 GiB, a quarter of the available memory); "
+         "speculation in emulated bf16 is warned about; "
          "a size that cannot fit fails with one line naming the setting",
     why="vLLM's CPU default (--gpu-memory-utilization 0.92 of the NUMA node) refuses to start on any machine "
         "that runs anything else, with a traceback from the worker process",
