@@ -93,3 +93,8 @@ def test_speculation_in_emulated_bf16_is_warned_about_and_names_the_fix():
     # Without a given answer the machine's own flags decide.
     native = cpu_setup.describe()["native_bf16"]
     assert (cpu_setup.emulated_bf16_note("bfloat16", speculative=True) is None) == native
+
+
+def test_the_native_dtype_is_bf16_only_where_the_cpu_has_it():
+    assert cpu_setup.native_dtype(True) == "bfloat16" and cpu_setup.native_dtype(False) == "float32"
+    assert cpu_setup.native_dtype() == ("bfloat16" if cpu_setup.describe()["native_bf16"] else "float32")

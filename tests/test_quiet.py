@@ -35,6 +35,13 @@ def test_the_filter_keeps_the_demo_and_failures_and_hides_library_warnings():
                                   "not oneDNN (no native bf16 on this CPU); --verbose shows them)\n")
 
 
+def test_intel_openmps_notes_are_hidden_and_counted():
+    flt = OutputFilter()
+    assert not flt.keep("OMP: Info #277: omp_set_nested routine deprecated, please use omp_set_max_active_levels "
+                        "instead.\n")
+    assert flt.hidden == 1 and flt.keep("-- results (measured in this run: float32, batch 1) --\n")
+
+
 def test_an_error_record_or_a_traceback_is_never_hidden():
     flt = OutputFilter()
     for line in ("(EngineCore pid=1) ERROR 12-03 09:00:00 [core.py:1] EngineCore failed to start.\n",

@@ -108,6 +108,14 @@ def describe() -> dict:
             "ld_preload": os.environ.get("LD_PRELOAD", "")}
 
 
+def native_dtype(native_bf16: bool | None = None) -> str:
+    """The dtype speed is measured in here: ``bfloat16`` where the CPU has native bf16, else ``float32``
+    (emulated bf16 is slower than float32 and prices a verify step's tokens as decode steps)."""
+    if native_bf16 is None:
+        native_bf16 = bool(describe()["native_bf16"])
+    return "bfloat16" if native_bf16 else "float32"
+
+
 def emulated_bf16_note(dtype: str, speculative: bool, native_bf16: bool | None = None) -> str | None:
     """A warning for speculation served in bf16 on a CPU without native bf16 (``avx512_bf16`` or
     ``amx_bf16``), else None. There bf16 matmuls are emulated: a verify step of k tokens costs about

@@ -30,7 +30,8 @@ _LOG_RECORD_WARNING = re.compile(r"^(\(\w+ pid=\d+\) )?WARNING \d\d-\d\d ")
 _PY_WARNING = re.compile(r"^\s*\S+:\d+: \w*Warning: ")
 _NOISE = (re.compile(r"^Triton is installed, but doesn't include CPU backend"),  # vLLM's import-time print
           re.compile(r"^\[W\d{4} "),  # torch's C++ warnings ("[W1203 09:12:00.000 ...]")
-          re.compile(r"^(\(\w+ pid=\d+\) )?Loading safetensors checkpoint shards:"))  # vLLM's loader bar
+          re.compile(r"^(\(\w+ pid=\d+\) )?Loading safetensors checkpoint shards:"),  # vLLM's loader bar
+          re.compile(r"^OMP: Info #\d+: "))  # Intel OpenMP's notes (preloaded by the CPU set-up)
 # Hidden warnings that bear on the result: one line each in the closing summary, however often seen.
 _SUMMARIES = ((re.compile(r"Failed to create oneDNN linear, fallback to torch linear"),
                "bf16 matmuls ran on torch's fallback, not oneDNN (no native bf16 on this CPU)"),)
