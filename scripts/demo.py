@@ -45,6 +45,7 @@ CHILD = "VLLM_DSPARK_DEMO_CHILD"  # set in the filtered child run
 
 
 def main() -> int:
+    from vllm_dspark.serving.cpu_flags import native_dtype
     from vllm_dspark.tools import cpu_setup
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -97,7 +98,7 @@ def main() -> int:
         if args.verbose:
             print(msg, flush=True)
 
-    dtype = args.dtype if args.dtype != "native" else cpu_setup.native_dtype(machine["native_bf16"])
+    dtype = args.dtype if args.dtype != "native" else native_dtype(machine["native_bf16"])
     why = " (this CPU's native dtype)" if args.dtype == "native" else ""
     print(f"-- speed: {dtype}{why}, {args.repeats} interleaved repeats (three engines start first; a few minutes)",
           flush=True)

@@ -82,19 +82,3 @@ def test_a_gpu_host_is_left_alone(libs, monkeypatch):
     cpu_setup.reexec_with(True)
     assert calls == []
 
-
-def test_speculation_in_emulated_bf16_is_warned_about_and_names_the_fix():
-    note = cpu_setup.emulated_bf16_note("torch.bfloat16", speculative=True, native_bf16=False)
-    assert note is not None and "avx512_bf16" in note and "--dtype float32" in note
-    # Native bf16, float32, or no speculation: nothing to say.
-    assert cpu_setup.emulated_bf16_note("torch.bfloat16", speculative=True, native_bf16=True) is None
-    assert cpu_setup.emulated_bf16_note("torch.float32", speculative=True, native_bf16=False) is None
-    assert cpu_setup.emulated_bf16_note("torch.bfloat16", speculative=False, native_bf16=False) is None
-    # Without a given answer the machine's own flags decide.
-    native = cpu_setup.describe()["native_bf16"]
-    assert (cpu_setup.emulated_bf16_note("bfloat16", speculative=True) is None) == native
-
-
-def test_the_native_dtype_is_bf16_only_where_the_cpu_has_it():
-    assert cpu_setup.native_dtype(True) == "bfloat16" and cpu_setup.native_dtype(False) == "float32"
-    assert cpu_setup.native_dtype() == ("bfloat16" if cpu_setup.describe()["native_bf16"] else "float32")

@@ -148,9 +148,9 @@ def test_without_checking_only_the_default_is_decided():
                                                  (False, "float32", False)])
 def test_speculation_in_emulated_bf16_is_warned_about_once_while_the_config_is_built(monkeypatch, tiny_target,
                                                                                       native, dtype, warned):
-    from vllm_dspark.tools import cpu_setup
+    from vllm_dspark.serving import cpu_flags
 
-    monkeypatch.setattr(cpu_setup, "describe", lambda: {"native_bf16": native})
+    monkeypatch.setattr(cpu_flags, "has_native_bf16", lambda flags=None: native)
     ours = logging.getLogger("vllm_dspark")
     seen = _Lines()
     ours.addHandler(seen)

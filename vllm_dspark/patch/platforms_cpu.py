@@ -1,5 +1,5 @@
 """Patch of ``vllm.platforms.cpu``: a CPU KV-cache size that starts, one-line memory errors, and a
-warning when speculation runs in emulated bf16 (``cpu_setup.emulated_bf16_note``).
+warning when speculation runs in emulated bf16 (``serving.cpu_flags.emulated_bf16_note``).
 
 vLLM's CPU platform sizes the KV cache from ``VLLM_CPU_KVCACHE_SPACE`` when it is
 set (in ``CpuPlatform.check_and_update_config``, while ``VllmConfig`` is built);
@@ -52,7 +52,7 @@ def _make(original):
                                     available=available, workers=getattr(parallel, "world_size", 1) or 1,
                                     node=node, check=_from_arguments())
         from vllm_dspark.log import share_vllm_logging
-        from vllm_dspark.tools.cpu_setup import emulated_bf16_note
+        from vllm_dspark.serving.cpu_flags import emulated_bf16_note
 
         share_vllm_logging()  # vLLM configures its handlers after the plugin loaded in this process
         if plan.kv_bytes is not None:

@@ -35,6 +35,8 @@ import os
 import sys
 from pathlib import Path
 
+from vllm_dspark.serving import cpu_flags
+
 TCMALLOC_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")
 _MARK = "VLLM_DSPARK_PRELOADED"
 
@@ -90,43 +92,6 @@ def reexec_with(enable: bool, log=print) -> None:
 
 def describe() -> dict:
     """What this process runs with: preloads, CPU model and flags (for benchmark records)."""
-    flags, model = [], "unknown"
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        for line in text.splitlines():
-            if line.startswith("model name") and model == "unknown":
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
-                         if f in have]
-                break
-    except OSError:
-        pass
-    return {"cpu": model, "cores": os.cpu_count(), "flags": flags,
-            "native_bf16": "avx512_bf16" in flags or "amx_bf16" in flags,
+    model, flags = cpu_flags.read()
+    return {"cpu": model, "cores": os.cpu_count(), "flags": flags, "native_bf16": cpu_flags.has_native_bf16(flags),
             "ld_preload": os.environ.get("LD_PRELOAD", "")}
-
-
-def native_dtype(native_bf16: bool | None = None) -> str:
-    """The dtype speed is measured in here: ``bfloat16`` where the CPU has native bf16, else ``float32``
-    (emulated bf16 is slower than float32 and prices a verify step's tokens as decode steps)."""
-    if native_bf16 is None:
-        native_bf16 = bool(describe()["native_bf16"])
-    return "bfloat16" if native_bf16 else "float32"
-
-
-def emulated_bf16_note(dtype: str, speculative: bool, native_bf16: bool | None = None) -> str | None:
-    """A warning for speculation served in bf16 on a CPU without native bf16 (``avx512_bf16`` or
-    ``amx_bf16``), else None. There bf16 matmuls are emulated: a verify step of k tokens costs about
-    k decode steps (the default pair's start-up profile on the AVX2 EPYC: 38 ms for 1 token, 66 for
-    2, 128 for 4; in float32 42, 44, 51), so no draft can pay and DSpark's budget drafts little."""
-    if not speculative or "bfloat16" not in str(dtype):
-        return None
-    if native_bf16 is None:
-        native_bf16 = bool(describe()["native_bf16"])
-    if native_bf16:
-        return None
-    return ("this CPU has no native bf16 (no avx512_bf16 or amx_bf16): bf16 matmuls are emulated, a verify step "
-            "costs about one decode step per token, and speculative decoding cannot pay; serve in float32 "
-            "(--dtype float32) for the drafts to pay")
