@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import default_pair_dirs, free_port, readme_command, serve_command, serving, tiny_pair
+from vllm_dspark.serving import cpu_flags
 
 pytestmark = pytest.mark.engine
 VLLM = str(Path(sys.executable).with_name("vllm"))
@@ -150,3 +151,5 @@ def test_the_readme_serve_line_starts_as_written(default_pair, tmp_path):
         assert _post(srv.base + "/v1/completions", body, None)[0] == 401
     log = log_path.read_text()
     assert "vllm_dspark: CPU KV cache:" in log and "VLLM_CPU_KVCACHE_SPACE is unset" in log
+    # The README line leaves the dtype to vLLM (bf16 for this target): where bf16 is emulated, the user is told.
+    assert ("no native bf16" in log) == (not cpu_flags.has_native_bf16()), log[-3000:]
