@@ -361,18 +361,16 @@ def stage_export(args, work: Path) -> None:
 
 
 def machine_description() -> str:
+    import os
     import platform
 
-    flags = ""
-    try:
-        cpu = Path("/proc/cpuinfo").read_text()
-        model = next(line.split(":", 1)[1].strip() for line in cpu.splitlines() if line.startswith("model name"))
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f" {f}" in cpu)
-    except (OSError, StopIteration):
-        model = platform.processor() or "unknown CPU"
-    import os
+    from vllm_dspark.serving.cpu_flags import read
 
-    return f"{os.cpu_count()} cores, {model} ({flags or 'no AVX flags found'})"
+    model, flags = read()
+    if model == "unknown":
+        model = platform.processor() or "unknown CPU"
+    shown = " ".join(f for f in flags if f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16"))
+    return f"{os.cpu_count()} cores, {model} ({shown or 'no AVX flags found'})"
 
 
 def main(argv=None) -> int:

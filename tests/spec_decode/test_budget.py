@@ -266,17 +266,23 @@ def test_calibrator_tables_are_recomputed_after_every_change():
     assert np.all(cal.levels()[0] > seeded[0])
 
 
+def _random_verdicts(rng, most: int) -> list:
+    """Fewer than ``most`` requests' verdicts of a step: greedy and sampled mixed, empty and fully accepted."""
+    items = []
+    for _ in range(int(rng.integers(0, most))):
+        verified = int(rng.integers(0, 8))
+        accepted = int(rng.integers(0, verified + 1))
+        items.append((rng.random(7).tolist(), verified, accepted, bool(rng.random() < 0.3)))
+    return items
+
+
 def test_a_steps_verdicts_at_once_leave_the_tables_as_one_by_one():
     """``observe_many`` (the budget's feedback, a step at a time) must fade and count exactly as ``observe``
     called per request in turn: greedy and sampled mixed, empty and fully accepted drafts, a short memory."""
     rng = np.random.default_rng(0)
     one, many = K.Calibrator(num_positions=7, memory=50.0), K.Calibrator(num_positions=7, memory=50.0)
     for _ in range(200):
-        items = []
-        for _ in range(int(rng.integers(0, 9))):
-            verified = int(rng.integers(0, 8))
-            accepted = int(rng.integers(0, verified + 1))
-            items.append((rng.random(7).tolist(), verified, accepted, bool(rng.random() < 0.3)))
+        items = _random_verdicts(rng, 9)
         for it in items:
             one.observe(*it)
         many.observe_many(items)
@@ -589,11 +595,7 @@ def test_few_verdicts_and_slots_calibrate_in_plain_floats_exactly_as_the_arrays_
     fast, slow = K.Calibrator(num_positions=7, memory=300.0), K.Calibrator(num_positions=7, memory=300.0)
     steps = []
     for _ in range(120):
-        items = []
-        for _ in range(int(rng.integers(0, 6))):
-            verified = int(rng.integers(0, 8))
-            accepted = int(rng.integers(0, verified + 1))
-            items.append((rng.random(7).tolist(), verified, accepted, bool(rng.random() < 0.3)))
+        items = _random_verdicts(rng, 6)
         steps.append(items)
     monkeypatch.setattr(K, "SMALL_VERDICTS", 10**6)  # every step's verdicts in plain floats
     for items in steps:

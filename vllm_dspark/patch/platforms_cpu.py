@@ -54,12 +54,13 @@ def _make(original):
         from vllm_dspark.log import share_vllm_logging
         from vllm_dspark.serving.cpu_flags import emulated_bf16_note
 
-        share_vllm_logging()  # vLLM configures its handlers after the plugin loaded in this process
+        note = emulated_bf16_note(str(getattr(vllm_config.model_config, "dtype", "")),
+                                  getattr(vllm_config, "speculative_config", None) is not None)
+        if plan.kv_bytes is not None or note:
+            share_vllm_logging()  # vLLM configures its handlers after the plugin loaded in this process
         if plan.kv_bytes is not None:
             cache_config.kv_cache_memory_bytes = plan.kv_bytes
             logger.info("vllm_dspark: %s", plan.message)
-        note = emulated_bf16_note(str(getattr(vllm_config.model_config, "dtype", "")),
-                                  getattr(vllm_config, "speculative_config", None) is not None)
         if note:
             logger.warning("vllm_dspark: %s", note)
 

@@ -89,14 +89,14 @@ def accepted_rows(cad, num_rejected: torch.Tensor | None, device: torch.device) 
     batch = cad.batch_size()
     starts = cad.query_start_loc_cpu[: batch + 1].tolist()
     rejected = [0] * batch if num_rejected is None else num_rejected[:batch].tolist()
-    keep = [int(b) - int(a) - int(r) for a, b, r in zip(starts[:-1], starts[1:], rejected, strict=True)]
+    keep = [b - a - r for a, b, r in zip(starts[:-1], starts[1:], rejected, strict=True)]
     if min(keep, default=1) < 1:
         return None  # the runner's counts disagree with its query lengths: the eager path says so
     owners = [i for i, k in enumerate(keep) for _ in range(k)]
-    first = int(starts[0]) if batch else 0
+    first = starts[0]
     if batch <= 1 or not any(rejected):
         index: torch.Tensor | slice = slice(first, first + len(owners))
     else:
-        rows = [int(s) + j for s, k in zip(starts[:-1], keep, strict=True) for j in range(k)]
+        rows = [s + j for s, k in zip(starts[:-1], keep, strict=True) for j in range(k)]
         index = torch.tensor(rows, dtype=torch.int64)
     return AcceptedRows(index, owners, max(keep, default=0))
