@@ -190,12 +190,40 @@ def test_memory_flags_reach_the_llm_and_win_over_the_environment(tmp_path, fake_
                                          "--gpu-memory-utilization", "0.5"])
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_native_dtype_is_float32_only_on_a_cpu_without_native_bf16(tmp_path, fake_llm, capsys, monkeypatch,
+                                                                   native_bf16):
+    from vllm.platforms import current_platform
+
+    from vllm_dspark.serving import cpu_flags
+
+    assert current_platform.is_cpu()
+    monkeypatch.setattr(cpu_flags, "has_native_bf16", lambda flags=None: native_bf16)
+    inp = write_prompts(tmp_path / "in.jsonl", 1)
+    made = fake_llm()
+    assert batch.main(["--model", "m", "--input", str(inp), "--output", str(tmp_path / "a.jsonl")]) == 0
+    assert made[-1].kw["dtype"] == ("auto" if native_bf16 else "float32")
+    assert ("--dtype native: float32 (this CPU has no native bf16" in capsys.readouterr().err) == (not native_bf16)
+    # A dtype the user names is theirs, on any CPU.
+    assert batch.main(["--model", "m", "--input", str(inp), "--output", str(tmp_path / "b.jsonl"),
+                       "--dtype", "bfloat16"]) == 0
+    assert made[-1].kw["dtype"] == "bfloat16" and "--dtype native" not in capsys.readouterr().err
+
+
+def test_native_dtype_is_vllms_auto_off_the_cpu(monkeypatch):
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(current_platform, "is_cpu", lambda: False)  # a GPU node: the checkpoint's dtype
+    assert batch.resolve_dtype({"dtype": "native"}, native_bf16=False) == ({"dtype": "auto"}, None)
+
+
 def test_an_engine_that_will_not_start_for_memory_is_one_line(tmp_path, monkeypatch, capsys):
     vllm = pytest.importorskip("vllm")
     from vllm_dspark.serving.memory import DSparkMemoryError
 
     inp = write_prompts(tmp_path / "in.jsonl", 2)
-    args = ["--model", "m", "--input", str(inp), "--output", str(tmp_path / "o.jsonl")]
+    args = ["--model", "m", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"),
+            "--dtype", "float32"]  # (no dtype note: the failure's line is the only one)
     failures = [DSparkMemoryError("VLLM_CPU_KVCACHE_SPACE=99 asks for a 99.00 GiB KV cache, but ...; lower it"),
                 ValueError("Available memory on node 0 (8.69/11.09 GiB) on startup is less than desired CPU "
                            "memory utilization (0.92, 10.2 GiB). To resolve: ..."),

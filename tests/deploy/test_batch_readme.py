@@ -2,8 +2,9 @@
 
 The command is read from the README (the test breaks when the README changes) and run with
 its placeholders filled in and nothing added, without ``VLLM_CPU_KVCACHE_SPACE``: the plugin's
-KV-cache default must make it start on a machine like this one. One engine for the module; its
-prompts file also holds a chat (``messages``), answered through the instruct target's chat template.
+KV-cache default must make it start on a machine like this one, and the script's ``--dtype native``
+must run the CPU's fast dtype. One engine for the module; its prompts file also holds a chat
+(``messages``), answered through the instruct target's chat template.
 Also: a memory setting that cannot be had fails in one line naming the setting, before any
 engine starts.
 """
@@ -69,6 +70,11 @@ def test_readme_batch_command_runs_as_written(readme_run):
     log = res.stdout + res.stderr  # vLLM logs to stdout by default
     default_line = [line for line in log.splitlines() if "vllm_dspark: CPU KV cache:" in line]
     assert len(default_line) == 1 and "VLLM_CPU_KVCACHE_SPACE is unset" in default_line[0], log[-4000:]
+    # --dtype native (the default): float32 where this CPU would emulate bf16, so the plugin's warning never fires.
+    from vllm_dspark.serving import cpu_flags
+
+    assert ("batch_generate: --dtype native: float32" in res.stderr) == (not cpu_flags.has_native_bf16())
+    assert "bf16 matmuls are emulated" not in log, log[-4000:]
 
 
 def test_rerunning_it_skips_what_is_done(readme_run):

@@ -396,6 +396,9 @@ class _Replica:
         from vllm import LLM
 
         self.rank = rank
+        llm_kwargs, note = resolve_dtype(llm_kwargs)  # on the replica's node: its CPU (or GPU) decides
+        if note:
+            print(f"batch_generate: replica {rank}: {note}", file=sys.stderr, flush=True)
         self.llm = LLM(**llm_kwargs)
 
     def run(self, records: list[dict], sampling: SamplingDefaults, max_in_flight: int):
@@ -501,7 +504,9 @@ def build_parser():
     mem.add_argument("--gpu-memory-utilization", type=float, default=None,
                      help="vLLM's share of device memory per worker (on CPU: of the NUMA node's memory; "
                           "overrides VLLM_CPU_KVCACHE_SPACE)")
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--dtype", default="native",
+                   help="the target's dtype. native (default): vLLM's auto, except float32 on a CPU without native "
+                        "bf16 (no avx512_bf16 / amx_bf16), where bf16 is emulated and slower; or any vLLM dtype")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-in-flight", type=int, default=256,
                    help="requests queued in the engine at once (bounds memory; default 256)")
@@ -524,6 +529,27 @@ def llm_kwargs_from(args) -> dict:
     if args.gpu_memory_utilization is not None:
         kw["gpu_memory_utilization"] = args.gpu_memory_utilization
     return kw
+
+
+def resolve_dtype(kw: dict, native_bf16: bool | None = None) -> tuple[dict, str | None]:
+    """``dtype="native"`` made concrete where the engine runs, and a note saying what it became.
+
+    vLLM's ``auto`` takes the checkpoint's dtype (bf16 for most). On a CPU without native bf16 those
+    matmuls are emulated: a verify step of k tokens costs about k decode steps, so drafting cannot pay,
+    and the whole job runs slower than in float32 (``serving/cpu_flags.py``). A batch job wants the
+    fast dtype, so there ``native`` is float32; everywhere else (GPUs, CPUs with native bf16) it is
+    ``auto``. A deliberate difference from ``vllm serve``, which keeps vLLM's ``auto`` and warns."""
+    if kw.get("dtype") != "native":
+        return kw, None
+    from vllm.platforms import current_platform
+
+    from vllm_dspark.serving import cpu_flags
+
+    native = cpu_flags.has_native_bf16() if native_bf16 is None else native_bf16
+    if not current_platform.is_cpu() or native:
+        return {**kw, "dtype": "auto"}, None
+    return {**kw, "dtype": "float32"}, ("--dtype native: float32 (this CPU has no native bf16, so bf16 would be "
+                                        "emulated and slower; --dtype auto keeps the checkpoint's dtype)")
 
 
 MEMORY_ENV = "VLLM_CPU_KVCACHE_SPACE"
@@ -624,8 +650,11 @@ def main(argv: list[str] | None = None) -> int:
             if args.data_parallel <= 1:
                 from vllm import LLM
 
+                local_kw, dtype_note = resolve_dtype(kw)
+                if dtype_note:
+                    err(dtype_note)
                 try:
-                    llm = LLM(**kw)  # before the progress bar: start-up is not prompt time
+                    llm = LLM(**local_kw)  # before the progress bar: start-up is not prompt time
                 except Exception as exc:
                     line = startup_error(exc)
                     if line is None:
