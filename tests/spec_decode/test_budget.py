@@ -120,6 +120,23 @@ def test_one_number_interpolates_as_an_array_does():
             assert one == pytest.approx(float(C._interp(points, np.array([x]))[0]), rel=1e-12, abs=1e-15)
 
 
+def test_one_point_in_plain_floats_is_the_arrays_to_the_bit():
+    """verify_prefixes prices in plain floats (_interp_point); the array path's bits, at and between the
+    points, before the first, past the last, on dips and flat stretches, and on one-point curves."""
+    rng = np.random.default_rng(4)
+    for _ in range(400):
+        xs = np.sort(rng.choice(np.arange(1, 300), size=int(rng.integers(1, 9)), replace=False))
+        ys = rng.random(len(xs)) * 0.1
+        if len(ys) > 2:
+            ys[1] = ys[2]  # a flat stretch
+        points = C._merged([(int(x), float(t)) for x, t in zip(xs, ys)])
+        arr = (np.array([p[0] for p in points], dtype=np.float64), np.array([p[1] for p in points], dtype=np.float64))
+        grid = np.concatenate([np.arange(0, 320), xs.astype(np.float64), rng.uniform(0, 400, 50)])
+        want = C._interp_xy(*arr, grid).tolist()
+        got = [C._interp_point(points, float(x)) for x in grid]
+        assert got == want
+
+
 def test_verify_prefixes_price_as_the_curve_does_until_it_or_its_scale_changes():
     m = C.CostModel(verify=[(1, 0.04), (2, 0.045), (8, 0.07)], draft=[(1, 0.005)])
 
@@ -611,6 +628,21 @@ def test_few_verdicts_and_slots_calibrate_in_plain_floats_exactly_as_the_arrays_
         sampled = rng.random(r) < 0.4
         assert np.array_equal(fast.calibrate_small(conf, sampled), fast.calibrate_arrays(conf, sampled))
     assert fast.total_counts.sum() > 300
+
+
+def test_the_plain_float_lists_are_the_tables_numbers_whichever_is_asked_first():
+    """``_memo_lists`` (mean confidences and levels from one sum of each table, filling the levels' memo)
+    must equal :meth:`_mean_pred` and :meth:`_levels` to the bit, asked before or after ``levels()``."""
+    rng = np.random.default_rng(11)
+    cal = K.Calibrator(num_positions=7, memory=80.0)
+    cal.seed(rng.random((7, 10)) * 5, rng.random((7, 10)) * 5 + 5, rng.random((7, 10)) * 5)
+    for step in range(60):
+        cal.observe_many(_random_verdicts(rng, 4))
+        if step % 2:
+            cal.levels()  # the levels' memo first: the lists take it
+        mean, levels = cal._memo_lists()
+        assert mean == cal._mean_pred().tolist() and levels == cal._levels().tolist()
+        assert np.array_equal(cal.levels(), cal._levels())
 
 
 def test_a_batch_1_step_takes_the_plain_float_paths(monkeypatch):

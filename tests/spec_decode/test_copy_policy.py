@@ -161,3 +161,32 @@ def test_no_copy_leaves_the_drafters_plan_alone(mode):
     _, cp = _policy(FLAT)
     model = SKIP if mode is PlanMode.SKIP else Plan(PlanMode.PROBE, (0,), 2)
     assert cp.plan(model, np.zeros((2, N)), [0, 0], [7, 7], np.zeros(2, bool)) == model
+
+
+def test_a_few_rows_survival_in_plain_floats_is_the_arrays_to_the_bit(monkeypatch):
+    """At batch 1 (and up to SMALL slots) the copy's survival runs in plain floats; it must equal the numpy
+    path (calibrate, clip, cumprod, zero past the copy) exactly, and take the small path there."""
+    from vllm_dspark.spec_decode.common import copy_policy as CP
+    from vllm_dspark.spec_decode.common.budget import survival
+
+    rng = np.random.default_rng(5)
+    _, cp = _policy()
+    for step in range(40):
+        verified = int(rng.integers(1, N + 1))
+        _teach(cp, int(rng.integers(2, 40)), verified, int(rng.integers(0, verified + 1)), 1)
+        r = (1, 2, 4)[step % 3]
+        matches = rng.integers(0, 70, size=r).tolist()
+        lengths = [int(x) for x in rng.integers(0, N + 1, size=r)]
+        conf, sampled = _offer(matches, lengths), rng.random(r) < 0.3
+        want = survival(cp.calibrator.calibrate_arrays(conf, sampled))
+        want = np.where(np.arange(N)[None, :] < np.asarray(lengths)[:, None], want, 0.0)
+        assert np.array_equal(cp.survival(conf, lengths, sampled), want), step
+    monkeypatch.setattr(CP, "SMALL", -1)  # the arrays' path, as at batch 8
+    assert np.array_equal(cp.survival(conf, lengths, sampled), want)
+    calls = []
+    monkeypatch.setattr(CP.CopyPolicy, "_survival_small", lambda self, *a: calls.append(a) or want)
+    cp.survival(conf, lengths, sampled)
+    assert not calls
+    monkeypatch.setattr(CP, "SMALL", 32)
+    cp.survival(conf, lengths, sampled)
+    assert len(calls) == 1

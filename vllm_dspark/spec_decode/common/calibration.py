@@ -94,18 +94,23 @@ class Calibrator:
         return self.memo("levels", self._levels)
 
     def _levels(self) -> np.ndarray:
-        # The chain in plain floats: 2 x P numbers, recomputed after every step's feedback, and numpy's
-        # per-call cost, paid with its code cold after the target's forward, was most of it.
+        return np.array(self._chain(self.hits.sum(axis=2).tolist(), self.counts.sum(axis=2).tolist()),
+                        dtype=np.float64)
+
+    def _chain(self, hits: list, counts: list) -> list[list[float]]:
+        """The levels' chain in plain floats from the per-position sums: 2 x P numbers, recomputed after
+        every step's feedback, and numpy's per-call cost, paid with its code cold after the target's
+        forward, was most of it."""
         w = self.prior_strength
         out = []
-        for h, n in zip(self.hits.sum(axis=2).tolist(), self.counts.sum(axis=2).tolist(), strict=True):
+        for h, n in zip(hits, counts, strict=True):
             prev, row = float(self.prior_acceptance), []
             for hj, nj in zip(h, n, strict=True):
                 den = nj + w
                 prev = (hj + w * prev) / max(den, 1e-12) if den > 0 else prev
                 row.append(prev)
             out.append(row)
-        return np.array(out, dtype=np.float64)
+        return out
 
     def levels_optimistic(self, z: float = 2.0) -> np.ndarray:
         """[2, P] an upper confidence bound on the acceptance, from the measurements alone (no prior:
@@ -130,31 +135,45 @@ class Calibrator:
         return self.calibrate_arrays(conf, sampled)
 
     def calibrate_small(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:
-        """:meth:`calibrate` in plain floats (the same operations, so the same result). A row reads its
-        cells of the hit and count tables one by one: listing the whole tables, anew after every step's
-        feedback, cost 50-60 us of a batch-1 step (``benchmarks/bench_planner.py``)."""
+        """:meth:`calibrate` in plain floats (the same operations, so the same result)."""
+        return np.array(self.calibrate_rows(conf.tolist(), np.asarray(sampled).reshape(-1).tolist()),
+                        dtype=np.float64).reshape(conf.shape)
+
+    def calibrate_rows(self, conf: list[list[float]], sampled: list) -> list[list[float]]:
+        """:meth:`calibrate` of a few rows as lists, to lists. A row reads its cells of the hit and count
+        tables one by one: listing the whole tables, anew after every step's feedback, cost 50-60 us of
+        a batch-1 step (``benchmarks/bench_planner.py``)."""
         mp, lv = self._memo_lists()
-        prior = self.bin_prior
+        prior, bins = self.bin_prior, self.bins
         hits, counts = self.hits.item, self.counts.item
         out = []
-        for row, s in zip(conf.tolist(), np.asarray(sampled).reshape(-1).tolist(), strict=True):
+        for row, s in zip(conf, sampled, strict=True):
             m = int(s)
             mpm, lvm = mp[m], lv[m]
             got = []
             for j, c in enumerate(row):
                 p = mpm[j]
                 q = min(max(lvm[j] * (c / p if p > 0 else 1.0), 0.0), 1.0)
-                b = self._bin_one(c)
+                b = min(max(int(c * bins), 0), bins - 1)  # _bin_one, inlined: every slot of every step
                 got.append((hits(m, j, b) + prior * q) / (counts(m, j, b) + prior))
             out.append(got)
-        return np.array(out, dtype=np.float64).reshape(conf.shape)
+        return out
 
     def _memo_lists(self) -> tuple[list, list]:
-        """The mean confidences and the levels as nested lists (per change of the tables)."""
+        """The mean confidences and the levels as nested lists (per change of the tables), from one sum of
+        each table: the same numbers as :meth:`_mean_pred` and :meth:`_levels` (whose memo it fills), in
+        half the numpy calls. After every step's feedback at batch 1 those calls ran cold."""
         out = self._derived.get("lists")
         if out is None:
-            out = self._derived["lists"] = (self.memo("mean_pred", self._mean_pred).tolist(),
-                                            self.levels().tolist())
+            cnt = self.counts.sum(axis=2).tolist()
+            pred = self.pred_sum.sum(axis=2).tolist()
+            mean = [[p / max(c, 1e-12) if c > 0 else 0.0 for p, c in zip(pr, cr, strict=True)]
+                    for pr, cr in zip(pred, cnt, strict=True)]
+            levels = self._derived.get("levels")
+            lv = levels.tolist() if levels is not None else self._chain(self.hits.sum(axis=2).tolist(), cnt)
+            if levels is None:
+                self.memo("levels", lambda: np.array(lv, dtype=np.float64))
+            out = self._derived["lists"] = (mean, lv)
         return out
 
     def calibrate_arrays(self, conf: np.ndarray, sampled: np.ndarray) -> np.ndarray:

@@ -42,6 +42,7 @@ from vllm_dspark.spec_decode.common.budget import (
     expected_tokens,
     survival,
 )
+from vllm_dspark.spec_decode.common.calibration import SMALL
 from vllm_dspark.spec_decode.common.copy_prior import CopyPrior
 from vllm_dspark.spec_decode.common.sources import COPY_SOURCE, MODEL_SOURCE
 
@@ -84,12 +85,29 @@ class CopyPolicy:
                  optimistic: bool = False) -> np.ndarray:
         """[R, N] calibrated survival of each request's copy (0 past its copied length)."""
         conf = np.asarray(conf, dtype=np.float64)
+        if not optimistic and conf.size <= SMALL:
+            return self._survival_small(conf, lengths, sampled)
         if optimistic:
             lv = self.calibrator.levels_optimistic()[np.asarray(sampled, dtype=np.int64)]
             s = survival(lv[:, :conf.shape[1]])
         else:
             s = survival(self.calibrator.calibrate(conf, sampled))
         return np.where(np.arange(conf.shape[1])[None, :] < np.asarray(lengths)[:, None], s, 0.0)
+
+    def _survival_small(self, conf: np.ndarray, lengths: Sequence[int], sampled: np.ndarray) -> np.ndarray:
+        """:meth:`survival` of a few rows in plain floats: calibrated, clipped and multiplied along the row
+        in the order ``np.cumprod`` does, zero past the copy (the same bits). At batch 1 every copy step
+        pays it, after the target's forward left numpy's code cold: six array calls were most of it."""
+        out = []
+        cal = self.calibrator.calibrate_rows(conf.tolist(), np.asarray(sampled).reshape(-1).tolist())
+        for row, n in zip(cal, lengths, strict=True):
+            got, prod = [], 1.0
+            for j, c in enumerate(row):
+                x = min(max(c, 0.0), 1.0)
+                prod = x if j == 0 else prod * x
+                got.append(prod if j < n else 0.0)
+            out.append(got)
+        return np.array(out, dtype=np.float64).reshape(conf.shape)
 
     def model_expected(self, caps: Sequence[int], sampled: np.ndarray, n: int) -> np.ndarray:
         """[R] what the drafter is expected to get accepted, from its measured levels (its head's word

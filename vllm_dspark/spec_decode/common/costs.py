@@ -101,8 +101,11 @@ class CostModel:
             self._prefixes, self._prefixes_scale = {}, self.scale_verify
         got = self._prefixes.get((base, slots))
         if got is None:
-            priced = self.verify_time(base + np.arange(slots + 1))
-            got = self._prefixes[(base, slots)] = np.asarray(priced, dtype=np.float64).tolist()
+            # In plain floats, the arrays' arithmetic to the bit (_interp_point): every observed step moves
+            # the scale and the shape, so a batch-1 step priced these anew, and numpy's calls ran cold there.
+            scale, shaped = self.scale_verify, self._shaped
+            got = self._prefixes[(base, slots)] = [scale * _interp_point(shaped, float(base + k))
+                                                   for k in range(slots + 1)]
         return got
 
     def draft_time(self, requests: int, source: str = MODEL_SOURCE) -> float:
@@ -251,6 +254,32 @@ def _interp_xy(xs: np.ndarray, ys: np.ndarray, x):
         slope = max(0.0, (ys[-1] - ys[-2]) / max(1e-9, xs[-1] - xs[-2]))
         y = np.where(xa > xs[-1], ys[-1] + slope * (xa - xs[-1]), y)
     return y if y.ndim else float(y)
+
+
+def _interp_point(points: list[tuple[int, float]], x: float) -> float:
+    """:func:`_interp_xy` of one number in plain floats, with ``np.interp``'s arithmetic: the same bits
+    (``tests/spec_decode/test_costs.py`` holds them to it). :func:`_interp_scalar` rounds differently."""
+    (x0, y0), (xn, yn) = points[0], points[-1]
+    if x > xn:
+        if len(points) < 2:
+            return float(yn)
+        xa, ya = points[-2]
+        slope = max(0.0, (float(yn) - float(ya)) / max(1e-9, float(xn) - float(xa)))
+        return float(yn) + slope * (x - float(xn))
+    if x < x0:
+        return float(y0)
+    j = bisect.bisect_right(points, x, key=lambda p: p[0]) - 1
+    xj, yj = float(points[j][0]), float(points[j][1])
+    if j == len(points) - 1 or x == xj:
+        return yj
+    xk, yk = float(points[j + 1][0]), float(points[j + 1][1])
+    slope = (yk - yj) / (xk - xj)
+    y = slope * (x - xj) + yj
+    if math.isnan(y):  # as numpy: from the other end, then the flat value
+        y = slope * (x - xk) + yk
+        if math.isnan(y) and yj == yk:
+            y = yj
+    return y
 
 
 def _interp_scalar(points: list[tuple[int, float]], x: float) -> float:
