@@ -120,6 +120,18 @@ def test_one_number_interpolates_as_an_array_does():
             assert one == pytest.approx(float(C._interp(points, np.array([x]))[0]), rel=1e-12, abs=1e-15)
 
 
+def test_expected_tokens_of_a_few_rows_in_plain_floats_are_the_arrays_to_the_bit(monkeypatch):
+    rng = np.random.default_rng(8)
+    cases = []
+    for _ in range(500):
+        r, n = int(rng.integers(1, 5)), int(rng.integers(1, B.PAIRWISE))
+        surv = B.survival(rng.random((r, n)) * rng.choice([1e-3, 1.0]))
+        cases.append((surv, rng.integers(0, n + 2, size=r).tolist()))
+    small = [B.expected_tokens(s, c) for s, c in cases]
+    monkeypatch.setattr(B, "PAIRWISE", 0)  # every case through the arrays
+    assert all(np.array_equal(a, B.expected_tokens(s, c)) for a, (s, c) in zip(small, cases, strict=True))
+
+
 def test_one_point_in_plain_floats_is_the_arrays_to_the_bit():
     """verify_prefixes prices in plain floats (_interp_point); the array path's bits, at and between the
     points, before the first, past the last, on dips and flat stretches, and on one-point curves."""

@@ -55,6 +55,9 @@ from vllm_dspark.spec_decode.common.calibration import SMALL, Calibrator
 from vllm_dspark.spec_decode.common.costs import CostModel
 from vllm_dspark.spec_decode.common.sources import MODEL_SOURCE
 
+# numpy adds fewer numbers than this one after another; from here on it sums pairwise (other bits).
+PAIRWISE = 8
+
 
 # ------------------------------------------------------------------ allocation
 @dataclass(frozen=True)
@@ -75,6 +78,11 @@ def survival(conf: np.ndarray) -> np.ndarray:
 
 def expected_tokens(surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
     """[R, N] survivals -> [R] expected accepted tokens within each request's cap."""
+    if surv.ndim == 2 and surv.shape[1] < PAIRWISE and surv.size <= SMALL:
+        # Plain floats, summed in order as numpy sums fewer than PAIRWISE numbers: the same bits, without
+        # four array calls that run cold after the target's forward (every copy step at batch 1 asks twice).
+        return np.array([sum(x for j, x in enumerate(row) if j < c)
+                         for row, c in zip(surv.tolist(), caps, strict=True)], dtype=np.float64)
     within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64)[:, None]
     return np.where(within, surv, 0.0).sum(1)
 

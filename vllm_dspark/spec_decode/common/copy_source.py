@@ -101,8 +101,8 @@ class CopySource:
         # Filled in numpy and handed to torch without a copy: torch's per-op cost was most of a step here.
         tokens = np.zeros((len(rows), n), dtype=np.int64)
         conf = np.zeros((len(rows), n), dtype=np.float32)
-        matches = np.zeros(len(rows), dtype=np.int64)
-        from_shared = np.zeros(len(rows), dtype=bool)
+        matches = [0] * len(rows)
+        from_shared = [False] * len(rows)
         if batch.texts is None:
             raise ValueError("CopySource.draft: the batch carries no texts (DraftBatch.texts) to copy from")
         if batch.req_ids is not None:
@@ -121,9 +121,10 @@ class CopySource:
                 tokens[i, :len(got)] = got
                 conf[i, :len(got)] = match_confidence(match)
             matches[i] = match
-        self.last_matches, self.last_shared = matches, from_shared
-        self.counts["drafts"] += int((matches > 0).sum())
-        self.counts["from_shared"] += int(from_shared.sum())
+        self.last_matches = np.array(matches, dtype=np.int64)
+        self.last_shared = np.array(from_shared, dtype=bool)
+        self.counts["drafts"] += sum(m > 0 for m in matches)
+        self.counts["from_shared"] += sum(from_shared)
         # q is one-hot on the copied token: the rejection sampler needs no probabilities for it
         # (greedy rows), and a sampled row's one-hot q is built by the caller that sends it.
         return Drafts(torch.from_numpy(tokens), torch.from_numpy(conf), None, self.name, "copy")

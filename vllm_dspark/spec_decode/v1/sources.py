@@ -80,7 +80,7 @@ def text_offers(sources: Sequence[DraftSource], req_ids: list[str], caps: list[i
     offers = {}
     for src in sources:
         got = widen(src.draft(batch), batch_size, rows, n)
-        offers[src.name] = Offer(got, (got.confidence.numpy() > 0).sum(axis=1).tolist())
+        offers[src.name] = Offer(got, [sum(c > 0 for c in row) for row in got.confidence.tolist()])
     return offers
 
 
