@@ -501,8 +501,10 @@ class BudgetPolicy:
         unmeasured = [not self.calibrator.measured(False), not self.calibrator.measured(True)]
         if not any(unmeasured):
             return []
-        rows = (np.asarray(caps) > 0) & np.array(unmeasured)[np.asarray(sampled, dtype=np.int64)]
-        return np.flatnonzero(rows).tolist()
+        # Plain ints: a greedy batch asks this every step (the sampled mode stays unmeasured), and five
+        # array calls ran cold there after the target's forward.
+        return [i for i, (c, s) in enumerate(zip(caps, np.asarray(sampled).reshape(-1).tolist(), strict=True))
+                if c > 0 and unmeasured[int(s)]]
 
     def _probe_rows(self, caps: Sequence[int], fresh: Sequence[int]) -> tuple[int, ...]:
         """Up to ``probe_requests`` rows in turn, those of an unmeasured mode (``fresh``) first."""
