@@ -258,7 +258,7 @@ def _interp_xy(xs: np.ndarray, ys: np.ndarray, x):
 
 def _interp_point(points: list[tuple[int, float]], x: float) -> float:
     """:func:`_interp_xy` of one number in plain floats, with ``np.interp``'s arithmetic: the same bits
-    (``tests/spec_decode/test_costs.py`` holds them to it). :func:`_interp_scalar` rounds differently."""
+    (``tests/spec_decode/test_budget.py`` holds them to it). :func:`_interp_scalar` rounds differently."""
     (x0, y0), (xn, yn) = points[0], points[-1]
     if x > xn:
         if len(points) < 2:
