@@ -127,7 +127,9 @@ def test_expected_tokens_of_a_few_rows_in_plain_floats_are_the_arrays_to_the_bit
         r, n = int(rng.integers(1, 5)), int(rng.integers(1, B.PAIRWISE))
         surv = B.survival(rng.random((r, n)) * rng.choice([1e-3, 1.0]))
         cases.append((surv, rng.integers(0, n + 2, size=r).tolist()))
-    small = [B.expected_tokens(s, c) for s, c in cases]
+    with monkeypatch.context() as m:  # the plain-float path, proven: the arrays' np.where is never called
+        m.setattr(np, "where", lambda *a: pytest.fail("expected_tokens took the arrays' path"))
+        small = [B.expected_tokens(s, c) for s, c in cases]
     monkeypatch.setattr(B, "PAIRWISE", 0)  # every case through the arrays
     assert all(np.array_equal(a, B.expected_tokens(s, c)) for a, (s, c) in zip(small, cases, strict=True))
 

@@ -81,8 +81,8 @@ def expected_tokens(surv: np.ndarray, caps: Sequence[int]) -> np.ndarray:
     if surv.ndim == 2 and surv.shape[1] < PAIRWISE and surv.size <= SMALL:
         # Plain floats, summed in order as numpy sums fewer than PAIRWISE numbers: the same bits, without
         # four array calls that run cold after the target's forward (every copy step at batch 1 asks twice).
-        return np.array([sum(x for j, x in enumerate(row) if j < c)
-                         for row, c in zip(surv.tolist(), caps, strict=True)], dtype=np.float64)
+        return np.array([sum(row[:max(int(c), 0)]) for row, c in zip(surv.tolist(), caps, strict=True)],
+                        dtype=np.float64)
     within = np.arange(surv.shape[1])[None, :] < np.asarray(caps, dtype=np.int64)[:, None]
     return np.where(within, surv, 0.0).sum(1)
 

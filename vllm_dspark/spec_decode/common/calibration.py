@@ -144,7 +144,7 @@ class Calibrator:
         tables one by one: listing the whole tables, anew after every step's feedback, cost 50-60 us of
         a batch-1 step (``benchmarks/bench_planner.py``)."""
         mp, lv = self._memo_lists()
-        prior, bins = self.bin_prior, self.bins
+        prior = self.bin_prior
         hits, counts = self.hits.item, self.counts.item
         out = []
         for row, s in zip(conf, sampled, strict=True):
@@ -154,7 +154,7 @@ class Calibrator:
             for j, c in enumerate(row):
                 p = mpm[j]
                 q = min(max(lvm[j] * (c / p if p > 0 else 1.0), 0.0), 1.0)
-                b = min(max(int(c * bins), 0), bins - 1)  # _bin_one, inlined: every slot of every step
+                b = self._bin_one(c)
                 got.append((hits(m, j, b) + prior * q) / (counts(m, j, b) + prior))
             out.append(got)
         return out
@@ -170,9 +170,11 @@ class Calibrator:
             mean = [[p / max(c, 1e-12) if c > 0 else 0.0 for p, c in zip(pr, cr, strict=True)]
                     for pr, cr in zip(pred, cnt, strict=True)]
             levels = self._derived.get("levels")
-            lv = levels.tolist() if levels is not None else self._chain(self.hits.sum(axis=2).tolist(), cnt)
             if levels is None:
+                lv = self._chain(self.hits.sum(axis=2).tolist(), cnt)
                 self.memo("levels", lambda: np.array(lv, dtype=np.float64))
+            else:
+                lv = levels.tolist()
             out = self._derived["lists"] = (mean, lv)
         return out
 

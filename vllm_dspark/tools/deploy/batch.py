@@ -548,8 +548,7 @@ def resolve_dtype(kw: dict, native_bf16: bool | None = None) -> tuple[dict, str 
 
     from vllm_dspark.serving import cpu_flags
 
-    native = cpu_flags.has_native_bf16() if native_bf16 is None else native_bf16
-    if not current_platform.is_cpu() or native:
+    if not current_platform.is_cpu() or (cpu_flags.has_native_bf16() if native_bf16 is None else native_bf16):
         return {**kw, "dtype": "auto"}, None
     return {**kw, "dtype": "float32"}, ("--dtype native: float32 (this CPU has no native bf16, so bf16 would be "
                                         "emulated and slower; --dtype auto keeps the checkpoint's dtype)")
